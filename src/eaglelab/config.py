@@ -1,0 +1,174 @@
+"""Typed configs: one small dataclass per concern, mirrored by one Hydra config group in conf/.
+
+Hydra composes YAML; `to_run_config` merges it onto these dataclasses, so a misspelt key or a value of
+the wrong type fails at start-up with the key's name, and `validate` checks what types cannot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omegaconf import DictConfig, OmegaConf
+
+from eaglelab.errors import ConfigError
+
+
+@dataclass
+class TinyTargetConfig:
+    """A random-init Llama for tests (head_dim 64: vLLM's CPU attention needs it)."""
+
+    hidden_size: int = 128
+    num_layers: int = 8
+    num_heads: int = 2
+    num_kv_heads: int = 1
+    intermediate_size: int = 256
+
+
+@dataclass
+class TargetConfig:
+    kind: str = "smollm2"  # smollm2 | tiny | hf
+    name_or_path: str | None = None  # kind=hf: a Hugging Face id or a local folder
+    dtype: str = "bfloat16"  # target forward (regeneration and capture)
+    seed: int = 0  # kind=tiny: weights are a function of this seed
+    tiny: TinyTargetConfig = field(default_factory=TinyTargetConfig)
+    local_files_only: bool = True  # no hub downloads at run time
+
+
+@dataclass
+class DrafterConfig:
+    fc_norm: bool = True
+    norm_before_fc: bool = False
+    norm_output: bool = True
+    norm_before_residual: bool = False
+    aux_layer_ids: list[int] | None = None  # None: vLLM's default (2, L//2, L-3)
+    num_layers: int = 1
+    draft_vocab_size: int = 8192
+    attention_window: int | None = None
+    attention_sink_tokens: int = 4
+    init_lm_head_from_target: bool = True  # start lm_head at the target's rows for the draft vocab
+
+
+@dataclass
+class DataConfig:
+    # "stdlib_docstrings", "pydoc_topics", "jsonl:PATH" (OpenAI messages or ShareGPT), "hf:PATH[:SPLIT]"
+    sources: list[str] = field(default_factory=lambda: ["stdlib_docstrings", "pydoc_topics"])
+    num_prompts: int = 192
+    val_fraction: float = 0.1
+    max_new_tokens: int = 160
+    max_length: int = 1024  # prompt + response tokens; longer prompts are skipped and counted
+    system_prompt: str | None = None  # None: the chat template's own default
+    regen_batch_size: int = 32
+    seed: int = 0
+
+
+@dataclass
+class TrainConfig:
+    ttt_steps: int = 3
+    loss: str = "ce"  # ce: cross-entropy on the target's greedy token | kl: forward KL over the draft vocab
+    step_decay: float = 0.8  # weight of draft step j is step_decay**j
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    batch_size: int = 4
+    epochs: int = 4
+    max_steps: int = -1
+    grad_clip: float = 0.5
+    seed: int = 0
+    precision: str = "bf16-mixed"
+    accelerator: str = "cpu"
+    devices: int = 1
+    strategy: str = "auto"
+    num_threads: int = 0  # 0: all cores
+
+
+@dataclass
+class EvalConfig:
+    prompts: str = "humaneval"  # humaneval | a data source string as in DataConfig.sources
+    num_prompts: int | None = None  # None: all (164 for HumanEval)
+    max_new_tokens: int = 96
+    max_k: int | None = None  # None: 2·ttt_steps + 2
+
+
+@dataclass
+class PathsConfig:
+    cache_dir: str = "~/.cache/eaglelab"
+    results_dir: str = "results"
+
+
+@dataclass
+class LoggerConfig:
+    kind: str = "csv"  # csv | none
+
+
+@dataclass
+class RunConfig:
+    variant: str = "eagle3.1"
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    run_dir: str | None = None  # set by the entry point (Hydra's output dir)
+
+
+def to_run_config(cfg: DictConfig) -> RunConfig:
+    """Merge a composed Hydra config onto the typed schema (unknown keys and wrong types fail here)."""
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    plain.pop("hydra", None)
+    for key in ("experiment", "ablation", "sweep"):
+        plain.pop(key, None)  # group selections, not settings
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), plain)
+        run_cfg = OmegaConf.to_object(merged)
+    except Exception as e:  # omegaconf's messages name the key; keep the first line
+        raise ConfigError(f"invalid config: {str(e).splitlines()[0]}") from None
+    validate(run_cfg)
+    return run_cfg
+
+
+def validate(cfg: RunConfig) -> None:
+    """Checks that need no model: each names the key to fix."""
+    d, t, data, ev = cfg.drafter, cfg.train, cfg.data, cfg.eval
+    if d.fc_norm and d.norm_before_fc:
+        raise ConfigError("drafter.fc_norm and drafter.norm_before_fc are mutually exclusive; "
+                          "set one to false (e.g. +ablation=norm_before_fc turns fc_norm off)")
+    if cfg.target.kind not in ("smollm2", "tiny", "hf"):
+        raise ConfigError(f"target.kind={cfg.target.kind!r} unknown; use smollm2, tiny or hf")
+    if cfg.target.kind == "hf" and not cfg.target.name_or_path:
+        raise ConfigError("target=hf needs target.name_or_path=<HF id or local folder>")
+    if cfg.target.dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"target.dtype={cfg.target.dtype!r}; use float32, bfloat16 or float16")
+    if t.loss not in ("ce", "kl"):
+        raise ConfigError(f"train.loss={t.loss!r}; use ce or kl")
+    positive = {
+        "train.ttt_steps": t.ttt_steps, "train.lr": t.lr, "train.batch_size": t.batch_size,
+        "train.epochs": t.epochs, "drafter.num_layers": d.num_layers,
+        "drafter.draft_vocab_size": d.draft_vocab_size, "data.num_prompts": data.num_prompts,
+        "data.max_new_tokens": data.max_new_tokens, "data.max_length": data.max_length,
+        "data.regen_batch_size": data.regen_batch_size, "eval.max_new_tokens": ev.max_new_tokens,
+    }
+    for key, value in positive.items():
+        if not value > 0:
+            raise ConfigError(f"{key} must be > 0, got {value}")
+    if not 0.0 < t.step_decay <= 1.0:
+        raise ConfigError(f"train.step_decay must be in (0, 1], got {t.step_decay}")
+    if not 0.0 <= data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction must be in [0, 1), got {data.val_fraction}")
+    if ev.num_prompts is not None and ev.num_prompts < 1:
+        raise ConfigError(f"eval.num_prompts must be >= 1 or null, got {ev.num_prompts}")
+    if ev.max_k is not None and ev.max_k < 1:
+        raise ConfigError(f"eval.max_k must be >= 1 or null, got {ev.max_k}")
+    if d.attention_window is not None and d.attention_window < 1:
+        raise ConfigError(f"drafter.attention_window must be >= 1 or null, got {d.attention_window}")
+    if d.aux_layer_ids is not None and len(d.aux_layer_ids) == 0:
+        raise ConfigError("drafter.aux_layer_ids is empty; give target layer ids or null for the default")
+    if not data.sources:
+        raise ConfigError("data.sources is empty; e.g. data.sources=[stdlib_docstrings,pydoc_topics]")
+    if cfg.logger.kind not in ("csv", "none"):
+        raise ConfigError(f"logger.kind={cfg.logger.kind!r}; use csv or none")
+
+
+def max_k(cfg: RunConfig) -> int:
+    return cfg.eval.max_k or 2 * cfg.train.ttt_steps + 2

@@ -1,0 +1,23 @@
+"""The reduced draft vocabulary: the most frequent tokens the drafter is trained to predict.
+
+Counted over loss-masked (assistant) tokens of the training split only; ties broken by token id so
+the result is deterministic. Returned ascending, which is what vLLM's `d2t` offsets assume.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def draft_vocab(sequences: list[torch.Tensor], prompt_lens: list[int], vocab_size: int,
+                draft_vocab_size: int) -> tuple[torch.Tensor, float]:
+    """-> (ascending target ids [V_draft], share of assistant tokens the draft vocab covers)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ids, p in zip(sequences, prompt_lens):
+        counts += torch.bincount(ids[p:].long(), minlength=vocab_size)
+    total = int(counts.sum())
+    # Frequency first, then low ids: unseen tokens fill the tail deterministically.
+    key = -counts * vocab_size + torch.arange(vocab_size)
+    ids = torch.sort(torch.argsort(key)[:draft_vocab_size]).values
+    coverage = float(counts[ids].sum()) / max(total, 1)
+    return ids, coverage

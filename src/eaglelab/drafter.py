@@ -1,0 +1,401 @@
+"""The EAGLE-3 / EAGLE-3.1 drafter, in one file.
+
+Semantics follow vLLM's `llama_eagle3.py` so that an exported checkpoint drafts in vLLM exactly as
+it drafts here. Notation (per verified position t of a target with L layers, hidden size H_t):
+
+    a_t = concat(h_t^(i) for i in aux_layer_ids)        # [3·H_t]  captured target states
+    g_t = fc(fuse_norm(a_t))                            # [H]      fused feature
+    x   = concat(input_layernorm(embed(tok_{t+1})), hidden_norm(g_t))   # [2H] into q/k/v
+    o_t = decoder_layers(x, residual=g_t)               # [H]      pre-norm output
+    logits = lm_head(norm(o_t))                         # [V_draft]
+    next step is fed  norm(o_t) if norm_output else o_t
+
+Each EAGLE-3.1 flag is a boolean that acts in exactly one place:
+    fc_norm              -> `Eagle3Drafter.fuse`          (one RMSNorm per aux state)
+    norm_before_fc       -> `Eagle3Drafter.fuse`          (one RMSNorm over the concatenation)
+    norm_output          -> `Eagle3Drafter.feedback`      (which state the next step is fed)
+    norm_before_residual -> `DecoderLayer.forward`        (residual is hidden_norm(g) instead of g)
+    attention_window     -> `context_mask`                (sliding window + kept sink tokens)
+Defaults of the EAGLE-3.1 fields are False in `from_vllm_config`, so EAGLE-3 checkpoints load.
+
+Training-time test (TTT) unrolls `steps` draft steps over a whole sequence at once. Step j (1-based)
+at position t is the j-th draft from verified position t: it reads token x_{t+j}, is fed step j-1's
+state at t, sits at position id t+j-1, and attends to the step-1 keys of positions <= t (the context,
+exactly what vLLM's draft KV cache holds for verified tokens) plus its own steps 2..j at t.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class Eagle3Config:
+    """Everything that determines the drafter's shape and behaviour (maps 1:1 to vLLM's config.json)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # target vocabulary
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: tuple[int, ...]
+    num_layers: int = 1
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    fc_norm: bool = True
+    norm_before_fc: bool = False
+    norm_output: bool = True
+    norm_before_residual: bool = False
+    attention_window: int | None = None  # None: full causal attention
+    attention_sink_tokens: int = 4  # first tokens always visible under a window
+    target_num_layers: int = 0  # L of the target; only used for validation
+
+    def __post_init__(self):
+        self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
+        if self.fc_norm and self.norm_before_fc:
+            raise ValueError(
+                "drafter.fc_norm and drafter.norm_before_fc are mutually exclusive (both would "
+                "double-normalise the fc input); set one of them to false"
+            )
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                     "head_dim", "vocab_size", "draft_vocab_size", "target_hidden_size", "num_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"drafter {name} must be >= 1, got {getattr(self, name)}")
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(f"drafter.draft_vocab_size ({self.draft_vocab_size}) exceeds the target "
+                             f"vocabulary ({self.vocab_size}); lower it")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if not self.aux_layer_ids:
+            raise ValueError("drafter.aux_layer_ids must name at least one target layer")
+        if self.target_num_layers:
+            bad = [i for i in self.aux_layer_ids if not 0 <= i < self.target_num_layers]
+            if bad:
+                raise ValueError(
+                    f"drafter.aux_layer_ids {list(self.aux_layer_ids)} out of range: the target has "
+                    f"L={self.target_num_layers} layers, ids must be in 0..{self.target_num_layers - 1}")
+        if self.attention_window is not None and self.attention_window < 1:
+            raise ValueError("drafter.attention_window must be >= 1 or null (full attention)")
+
+    # --- vLLM's config.json ------------------------------------------------------------------
+    def to_vllm_config(self) -> dict:
+        cfg = {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": False,
+            "torch_dtype": "float32",
+            "fc_norm": self.fc_norm,
+            "norm_output": self.norm_output,
+            "norm_before_fc": self.norm_before_fc,
+            "norm_before_residual": self.norm_before_residual,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)},
+        }
+        # eaglelab-only fields (vLLM ignores unknown keys); recorded so the checkpoint is complete.
+        cfg["eaglelab"] = {"attention_window": self.attention_window,
+                           "attention_sink_tokens": self.attention_sink_tokens,
+                           "target_num_layers": self.target_num_layers}
+        return cfg
+
+    @classmethod
+    def from_vllm_config(cls, cfg: dict) -> "Eagle3Config":
+        extra = cfg.get("eaglelab", {})
+        aux = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if aux is None:
+            raise ValueError("config.json has no eagle_config.eagle_aux_hidden_state_layer_ids")
+        rope_theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        return cls(
+            hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+            num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
+            head_dim=cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]),
+            vocab_size=cfg["vocab_size"], draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
+            target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]),
+            aux_layer_ids=tuple(aux), num_layers=cfg.get("num_hidden_layers", 1),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=rope_theta,
+            max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+            # Missing EAGLE-3.1 flags mean EAGLE-3 behaviour: old checkpoints keep loading.
+            fc_norm=bool(cfg.get("fc_norm", False)),
+            norm_before_fc=bool(cfg.get("norm_before_fc", False)),
+            norm_output=bool(cfg.get("norm_output", False)),
+            norm_before_residual=bool(cfg.get("norm_before_residual", False)),
+            attention_window=extra.get("attention_window"),
+            attention_sink_tokens=extra.get("attention_sink_tokens", 4),
+            target_num_layers=extra.get("target_num_layers", 0),
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Llama rotary embedding (rotate-half convention). x: [B, h, T, d], positions: [T] or [B, T]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    angles = positions.float()[..., None] * inv_freq  # [(B,) T, d/2]
+    angles = torch.cat([angles, angles], dim=-1)
+    if angles.dim() == 3:
+        angles = angles[:, None]  # [B, 1, T, d]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def context_mask(q_pos: torch.Tensor, q_t: torch.Tensor, k_pos: torch.Tensor, window: int | None,
+                 sink: int) -> torch.Tensor:
+    """Which context keys a query sees. q_pos: [B, Tq] position ids (t + j - 1), q_t: [B, Tq] the
+    verified position t the query drafts from, k_pos: [Tk] -> bool [B, Tq, Tk]. Causal up to t;
+    optionally a sliding window (relative to the query's position id) that keeps `sink` first tokens."""
+    visible = k_pos <= q_t[..., None]
+    if window is not None:
+        recent = (q_pos[..., None] - k_pos) < window
+        visible = visible & (recent | (k_pos < sink))
+    return visible
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Eagle3Config, in_dim: int):
+        super().__init__()
+        self.cfg = cfg
+        h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(in_dim, h * d, bias=False)
+        self.k_proj = nn.Linear(in_dim, kv * d, bias=False)
+        self.v_proj = nn.Linear(in_dim, kv * d, bias=False)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, query_t: torch.Tensor, cache: list) -> torch.Tensor:
+        """Draft step j = len(cache) + 1 for queries x: [B, Tq, in_dim] at position ids `positions`
+        [B, Tq] (t + j - 1), drafting from verified positions `query_t` [B, Tq]. `cache` holds (k, v)
+        of steps 1..j-1 of this layer: step 1 over all T context positions [B, kv, T, d], later steps
+        in the queries' layout [B, kv, Tq, d]; this step's (k, v) is appended."""
+        cfg = self.cfg
+        B, Tq, _ = x.shape
+        h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q = rope(self.q_proj(x).view(B, Tq, h, d).transpose(1, 2), positions, cfg.rope_theta)
+        k = rope(self.k_proj(x).view(B, Tq, kv, d).transpose(1, 2), positions, cfg.rope_theta)
+        v = self.v_proj(x).view(B, Tq, kv, d).transpose(1, 2)
+        cache.append((k, v))
+        rep = h // kv
+        k_ctx, v_ctx = cache[0]  # step-1 keys: the verified context (what the engine's KV cache holds)
+        T = k_ctx.shape[2]
+        k_ctx, v_ctx = k_ctx.repeat_interleave(rep, 1), v_ctx.repeat_interleave(rep, 1)
+        scale = 1.0 / math.sqrt(d)
+        mask = context_mask(positions, query_t, torch.arange(T, device=x.device), cfg.attention_window,
+                            cfg.attention_sink_tokens)  # [B, Tq, T]
+        scores = (q @ k_ctx.transpose(-1, -2)) * scale  # [B, h, Tq, T]
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
+        # Steps 2..j at the same position t: one key each, a "diagonal" extension of the context.
+        diag = [(q * k_i.repeat_interleave(rep, 1)).sum(-1, keepdim=True) * scale for k_i, _ in cache[1:]]
+        probs = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1)  # [B, h, Tq, T + j - 1]
+        out = probs[..., :T] @ v_ctx
+        for i, (_, v_i) in enumerate(cache[1:]):
+            out = out + probs[..., T + i: T + i + 1] * v_i.repeat_interleave(rep, 1)
+        return self.o_proj(out.transpose(1, 2).reshape(B, Tq, h * d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """A Llama decoder layer; the first one reads [embedding ; hidden] (2H) into q/k/v."""
+
+    def __init__(self, cfg: Eagle3Config, layer_idx: int):
+        super().__init__()
+        self.cfg, self.first = cfg, layer_idx == 0
+        H = cfg.hidden_size
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        if self.first:
+            self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, 2 * H if self.first else H)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, embeds, hidden, positions, query_t, cache):
+        """embeds, hidden: [B, Tq, H] -> [B, Tq, H] (pre-norm residual stream)."""
+        if self.first:
+            if self.cfg.norm_before_residual:
+                hidden = self.hidden_norm(hidden)
+                residual = hidden
+            else:
+                residual = hidden
+                hidden = self.hidden_norm(hidden)
+            x = torch.cat([self.input_layernorm(embeds), hidden], dim=-1)  # [B, T, 2H]
+        else:
+            residual = hidden
+            x = self.input_layernorm(hidden)
+        residual = residual + self.self_attn(x, positions, query_t, cache)
+        return residual + self.mlp(self.post_attention_layernorm(residual))
+
+
+@dataclass
+class StepOutput:
+    normed: torch.Tensor  # [B, T, H] norm(o_t); logits = lm_head(normed), computed by the caller only
+    #                       where needed (the draft-vocab projection is the largest matmul)
+    hidden: torch.Tensor  # [B, T, H] state fed to the next step (see `feedback`)
+    prenorm: torch.Tensor  # [B, T, H] o_t, for diagnostics
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.cfg = cfg
+        H, Ht, n_aux = cfg.hidden_size, cfg.target_hidden_size, len(cfg.aux_layer_ids)
+        if cfg.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(Ht, cfg.rms_norm_eps) for _ in range(n_aux))
+        if cfg.norm_before_fc:
+            self.input_norm = RMSNorm(n_aux * Ht, cfg.rms_norm_eps)
+        self.fc = nn.Linear(n_aux * Ht, H, bias=False)
+        # Shared with the target and frozen, as in vLLM (not exported).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        # d2t[i] = target_id(i) - i ; t2d[target_id] = token is in the draft vocabulary.
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def set_vocab(self, draft_ids: torch.Tensor):
+        """draft_ids: [V_draft] ascending target ids of the draft vocabulary."""
+        ids = draft_ids.to(self.d2t.device).long()
+        self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        return self.d2t + torch.arange(len(self.d2t), device=self.d2t.device)
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux: [B, T, n_aux·H_t] captured target states -> g: [B, T, H]."""
+        if self.cfg.norm_before_fc:
+            aux = self.input_norm(aux)
+        if self.cfg.fc_norm:
+            chunks = aux.chunk(len(self.fc_norm), dim=-1)
+            aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(aux)
+
+    def feedback(self, prenorm: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """The state the next draft step is fed: EAGLE-3 feeds o_t, EAGLE-3.1 feeds norm(o_t)."""
+        return normed if self.cfg.norm_output else prenorm
+
+    def step(self, tokens, hidden, positions, query_t, caches) -> StepOutput:
+        """One draft step. tokens: [B, Tq]; hidden: [B, Tq, H]; positions, query_t: [B, Tq]."""
+        embeds = self.embed_tokens(tokens)
+        x = hidden
+        for layer, cache in zip(self.layers, caches):
+            x = layer(embeds, x, positions, query_t, cache)
+        normed = self.norm(x)
+        return StepOutput(normed, self.feedback(x, normed), x)
+
+    def unroll(self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int,
+               first: torch.Tensor | None = None) -> list[StepOutput]:
+        """Training-time test: `steps` draft steps at every position of a teacher-forced sequence.
+
+        aux: [B, T, n_aux·H_t] target states at positions 0..T-1; input_ids: [B, T] tokens x_0..x_{T-1}.
+        Step j (1-based) at position t reads x_{t+j} (0 past the end; no loss there) and its
+        `lm_head(normed)` predicts x_{t+j+1}. Step 1 runs at every position (it is the context every
+        later step attends to). `first` [B]: the first position that drafts (prompt length - 1);
+        steps >= 2 then run only from there on, as an engine drafts only from verified positions
+        after the prompt. Outputs are [B, T, ·], zero where a step did not run.
+        """
+        B, T = input_ids.shape
+        device = input_ids.device
+        padded = F.pad(input_ids, (0, steps))  # [B, T + steps]
+        caches = [[] for _ in self.layers]
+        every = torch.arange(T, device=device).expand(B, T)
+        out = self.step(padded[:, 1: T + 1], self.fuse(aux), every, every, caches)
+        outs = [out]
+        # Queries of steps >= 2: positions first[b] .. T-1, packed to the left ([B, Tq]).
+        first = torch.zeros(B, dtype=torch.long, device=device) if first is None else first.clamp(0, T - 1)
+        Tq = int((T - first).max())
+        t = first[:, None] + torch.arange(Tq, device=device)  # [B, Tq]
+        real = t < T
+        t = t.clamp(max=T - 1)
+        rows = torch.arange(B, device=device)[:, None]
+        hidden = out.hidden[rows, t]
+        for j in range(2, steps + 1):
+            step = self.step(padded[rows, t + j], hidden, t + (j - 1), t, caches)
+            hidden = step.hidden
+            outs.append(StepOutput(*(self._scatter(x, rows, t, real, T) for x in
+                                     (step.normed, step.hidden, step.prenorm))))
+        return outs
+
+    @staticmethod
+    def _scatter(x: torch.Tensor, rows, t, real, T) -> torch.Tensor:
+        """[B, Tq, H] packed queries -> [B, T, H] with zeros where no query ran."""
+        full = x.new_zeros(x.shape[0], T, x.shape[-1])
+        full[rows.expand_as(t)[real], t[real]] = x[real]
+        return full
+
+    def to_target_ids(self, draft_tokens: torch.Tensor) -> torch.Tensor:
+        return draft_tokens + self.d2t[draft_tokens]
+
+
+# --- vLLM weight names -----------------------------------------------------------------------
+def export_state_dict(model: Eagle3Drafter) -> dict[str, torch.Tensor]:
+    """State dict in vLLM's Eagle3 naming (single layer as `midlayer.*`, embeddings omitted)."""
+    out = {}
+    for name, t in model.state_dict().items():
+        if name.startswith("embed_tokens."):
+            continue
+        if model.cfg.num_layers == 1 and name.startswith("layers.0."):
+            name = "midlayer." + name[len("layers.0."):]
+        out[name] = t.detach().contiguous()
+    return out
+
+
+def import_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in sd.items()}
+
+
+def config_fields() -> list[str]:
+    return [f.name for f in fields(Eagle3Config)]

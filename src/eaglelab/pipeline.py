@@ -1,0 +1,238 @@
+"""The research loop: prompts -> regenerate -> capture -> cache -> train -> export -> evaluate -> results.
+
+`run(cfg)` is what `python src/run.py` calls and what the tests call. It writes one run directory
+(layout in docs/results_layout.md); `metrics.json` is written last, so its presence means complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import logging
+import os
+import platform
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+import eaglelab
+from eaglelab.config import RunConfig, max_k
+from eaglelab.data.prepare import prepare_features
+from eaglelab.data.prompts import humaneval_prompts, load_source, mix_sources
+from eaglelab.data.vocab import draft_vocab
+from eaglelab.drafter import Eagle3Config
+from eaglelab.errors import ConfigError, EaglelabError
+from eaglelab.evaluate import acceptance_rows, evaluate_simulated
+from eaglelab.export import save_drafter
+from eaglelab.io import atomic_write_json, atomic_write_text
+from eaglelab.targets import load_target
+
+log = logging.getLogger("eaglelab")
+
+
+class StageTimer:
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - t0
+
+
+def build_model_config(cfg: RunConfig, target) -> Eagle3Config:
+    """The drafter's shape follows the target (vLLM shares the target's embeddings, so H matches)."""
+    tc = target.model.config
+    aux = list(cfg.drafter.aux_layer_ids or target.default_aux_layer_ids())
+    heads = tc.num_attention_heads
+    rope_theta = getattr(tc, "rope_theta", None) or (getattr(tc, "rope_parameters", None) or {}).get(
+        "rope_theta", 10000.0)
+    try:
+        return Eagle3Config(
+            hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, num_attention_heads=heads,
+            num_key_value_heads=getattr(tc, "num_key_value_heads", heads) or heads,
+            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+            vocab_size=tc.vocab_size, draft_vocab_size=min(cfg.drafter.draft_vocab_size, tc.vocab_size),
+            target_hidden_size=tc.hidden_size, aux_layer_ids=tuple(aux), num_layers=cfg.drafter.num_layers,
+            rms_norm_eps=tc.rms_norm_eps, rope_theta=float(rope_theta),
+            max_position_embeddings=target.max_context, fc_norm=cfg.drafter.fc_norm,
+            norm_before_fc=cfg.drafter.norm_before_fc, norm_output=cfg.drafter.norm_output,
+            norm_before_residual=cfg.drafter.norm_before_residual,
+            attention_window=cfg.drafter.attention_window,
+            attention_sink_tokens=cfg.drafter.attention_sink_tokens, target_num_layers=tc.num_hidden_layers)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _init_from_target(module, target, draft_ids: torch.Tensor, init_lm_head: bool) -> torch.Tensor:
+    """Share the target's embeddings (frozen); optionally start lm_head/norm at the target's.
+    Returns the target's lm_head rows of the draft vocab (the KL teacher)."""
+    d = module.drafter
+    d.set_vocab(draft_ids)
+    emb = target.model.get_input_embeddings().weight.detach().float()
+    d.embed_tokens.weight.data.copy_(emb)
+    head = target.model.get_output_embeddings().weight.detach().float()[draft_ids].clone()
+    if init_lm_head:
+        d.lm_head.weight.data.copy_(head)
+        d.norm.weight.data.copy_(target.model.model.norm.weight.detach().float())
+    return head
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    if not rows:
+        return
+    import io
+
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(path, buf.getvalue())
+
+
+def _trainer(cfg: RunConfig, run_dir: Path):
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    loggers = [CSVLogger(save_dir=str(run_dir), name="logs", version="")] if cfg.logger.kind == "csv" else False
+    t = cfg.train
+    return L.Trainer(
+        accelerator=t.accelerator, devices=t.devices, strategy=t.strategy, precision=t.precision,
+        max_epochs=t.epochs, max_steps=t.max_steps, gradient_clip_val=t.grad_clip or None,
+        logger=loggers, log_every_n_steps=5, deterministic=True, num_sanity_val_steps=0,
+        # One rolling checkpoint, rewritten each epoch: the resume point (written atomically by Lightning).
+        callbacks=[ModelCheckpoint(dirpath=str(run_dir / "lightning"), filename="last", save_top_k=1,
+                                   every_n_epochs=1, enable_version_counter=False)],
+        enable_model_summary=False, default_root_dir=str(run_dir),
+    )
+
+
+def run(cfg: RunConfig) -> Path:
+    """Run the whole loop; returns the run directory. Raises EaglelabError on bad input."""
+    run_dir = Path(cfg.run_dir or Path(cfg.paths.results_dir) / "runs" / time.strftime("%Y-%m-%d_%H-%M-%S"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if (run_dir / "metrics.json").exists():
+        raise EaglelabError(f"{run_dir} already holds a finished run; choose another run directory")
+    started = time.time()
+    info = {"status": "running", "variant": cfg.variant, "seed": cfg.train.seed,
+            "eaglelab_version": eaglelab.__version__, "torch": torch.__version__,
+            "host": platform.node(), "started": started}
+    atomic_write_json(run_dir / "run.json", info)
+    try:
+        metrics = _run(cfg, run_dir, info)
+    except BaseException as e:
+        info.update(status="interrupted" if isinstance(e, KeyboardInterrupt) else "failed",
+                    error=f"{type(e).__name__}: {e}", finished=time.time())
+        if not isinstance(e, (EaglelabError, KeyboardInterrupt)):
+            info["traceback"] = traceback.format_exc()
+        atomic_write_json(run_dir / "run.json", info)
+        raise
+    info.update(status="complete", finished=time.time())
+    atomic_write_json(run_dir / "run.json", info)
+    atomic_write_json(run_dir / "metrics.json", metrics)  # last: marks the run complete
+    return run_dir
+
+
+def _run(cfg: RunConfig, run_dir: Path, info: dict) -> dict:
+    import lightning as L
+
+    from eaglelab.training import DrafterModule, FeatureDataset, collate
+
+    timer = StageTimer()
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
+    L.seed_everything(cfg.train.seed, workers=True, verbose=False)
+
+    with timer("convert"):
+        target = load_target(cfg.target, cfg.paths.cache_dir)
+    model_cfg = build_model_config(cfg, target)
+    info.update(target=target.fingerprint, target_path=str(target.path))
+    resolved = OmegaConf.to_yaml(OmegaConf.create({**asdict(cfg), "resolved": {
+        "aux_layer_ids": list(model_cfg.aux_layer_ids), "draft_vocab_size": model_cfg.draft_vocab_size,
+        "target_num_layers": target.num_layers, "max_k": max_k(cfg)}}))
+    atomic_write_text(run_dir / "config.yaml", resolved)
+
+    # Data: training prompts and held-out evaluation prompts, never overlapping.
+    eval_prompts = humaneval_prompts() if cfg.eval.prompts == "humaneval" else load_source(cfg.eval.prompts)
+    eval_prompts = eval_prompts[: cfg.eval.num_prompts] if cfg.eval.num_prompts else eval_prompts
+    train_prompts = mix_sources(cfg.data.sources, cfg.data.num_prompts, cfg.data.seed)
+    held_out = {json.dumps(p, sort_keys=True) for p in eval_prompts}
+    overlap = sum(json.dumps(p, sort_keys=True) in held_out for p in train_prompts)
+    if overlap:
+        log.warning("dropped %d training prompts that are also evaluation prompts", overlap)
+        train_prompts = [p for p in train_prompts if json.dumps(p, sort_keys=True) not in held_out]
+    common = dict(cache_dir=cfg.paths.cache_dir, aux_layer_ids=list(model_cfg.aux_layer_ids),
+                  system_prompt=cfg.data.system_prompt, max_length=cfg.data.max_length,
+                  batch_size=cfg.data.regen_batch_size)
+    train_feats, train_stats = prepare_features(target, train_prompts, name="train",
+                                                max_new_tokens=cfg.data.max_new_tokens,
+                                                val_fraction=cfg.data.val_fraction, **common)
+    eval_feats, eval_stats = prepare_features(target, eval_prompts, name="eval",
+                                              max_new_tokens=cfg.eval.max_new_tokens, **common)
+    for stage in ("regenerate", "capture"):
+        timer.seconds[stage] = train_stats.seconds[stage] + eval_stats.seconds[stage]
+
+    is_val = train_feats["is_val"]
+    train_idx = [i for i, v in enumerate(is_val) if not v]
+    val_idx = [i for i, v in enumerate(is_val) if v]
+    if not train_idx:
+        raise EaglelabError("no training sequences left after the validation split; lower data.val_fraction "
+                            "or raise data.num_prompts")
+
+    with timer("train"):
+        with_final = cfg.train.loss == "kl"
+        train_set = FeatureDataset(train_feats, train_idx, with_final)
+        val_set = FeatureDataset(train_feats, val_idx, with_final) if val_idx else None
+        draft_ids, coverage = draft_vocab([it["input_ids"] for it in train_set.items],
+                                          [it["prompt_len"] for it in train_set.items],
+                                          model_cfg.vocab_size, model_cfg.draft_vocab_size)
+        module = DrafterModule(model_cfg, cfg.train)
+        module.target_head = _init_from_target(module, target, draft_ids, cfg.drafter.init_lm_head_from_target)
+        del target  # the target is not needed past this point (frees its memory for training)
+        loader = torch.utils.data.DataLoader(train_set, batch_size=cfg.train.batch_size, shuffle=True,
+                                             collate_fn=collate, generator=torch.Generator().manual_seed(cfg.train.seed))
+        val_loader = (torch.utils.data.DataLoader(val_set, batch_size=cfg.train.batch_size, collate_fn=collate)
+                      if val_set else None)
+        trainer = _trainer(cfg, run_dir)
+        trainer.fit(module, loader, val_loader)
+        if trainer.interrupted:
+            raise KeyboardInterrupt("training interrupted")
+
+    with timer("export"):
+        save_drafter(module.drafter, run_dir / "drafter")
+
+    K = max_k(cfg)
+    with timer("evaluate"):
+        totals = evaluate_simulated(module.drafter, eval_feats, K, batch_size=cfg.train.batch_size)
+    by_k, by_pos = acceptance_rows(totals, evaluator="simulated", suite=cfg.eval.prompts)
+    _write_csv(run_dir / "acceptance.csv", by_k)
+    _write_csv(run_dir / "per_position.csv", by_pos)
+
+    metrics: dict[str, float | int | str] = {}
+    for row in by_k:
+        metrics[f"acceptance_length@k{row['k']}"] = row["acceptance_length"]
+    for row in by_pos:
+        metrics[f"acceptance_rate@k{row['k']}@pos{row['position']}"] = row["acceptance_rate"]
+    for key, value in trainer.callback_metrics.items():
+        if key.startswith(("val/", "train/")):
+            metrics[key] = float(value)
+    metrics.update({
+        "data/train_sequences": len(train_idx), "data/val_sequences": len(val_idx),
+        "data/train_tokens": train_stats.tokens, "data/response_tokens": train_stats.response_tokens,
+        "data/skipped_too_long": train_stats.skipped_too_long + eval_stats.skipped_too_long,
+        "data/eval_sequences": len(eval_feats), "data/draft_vocab_coverage": coverage,
+        "train/steps": int(trainer.global_step),
+    })
+    timer.seconds["total"] = time.time() - info["started"]
+    metrics.update({f"time/{k}_s": v for k, v in timer.seconds.items()})
+    info["evaluator"] = "simulated"
+    return metrics

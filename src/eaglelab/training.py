@@ -1,0 +1,200 @@
+"""Training-time test (TTT) as a LightningModule.
+
+Per batch the drafter unrolls `ttt_steps` draft steps exactly as it drafts at inference (see
+`Eagle3Drafter.unroll`). Step j (1-based) at position t predicts x_{t+j+1}; its label is the target's
+greedy token after position t+j. Only drafts an engine would make count: from verified positions
+t >= P-1 (the prompt's last token onwards), so every label is an assistant token. The loss is
+sum_j step_decay**(j-1) * loss_j, with loss_j cross-entropy on that token or forward KL from the
+target's distribution (restricted to the draft vocab) to the drafter's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from eaglelab.acceptance import AcceptanceCounts, simulate
+from eaglelab.config import TrainConfig
+from eaglelab.data.prepare import from_bits
+from eaglelab.drafter import Eagle3Config, Eagle3Drafter
+from eaglelab.errors import TrainingError
+
+
+# --- data ------------------------------------------------------------------------------------
+class FeatureDataset(Dataset):
+    """Captured sequences held in memory as bf16 tensors (a few hundred MB for the default run)."""
+
+    def __init__(self, features, indices: list[int], with_final: bool):
+        rows = features.select(indices).with_format("numpy")
+        self.items = []
+        for r in rows:
+            item = {"input_ids": torch.from_numpy(r["input_ids"].astype("int64")),
+                    "target_next": torch.from_numpy(r["target_next"].astype("int64")),
+                    "prompt_len": int(r["prompt_len"]),
+                    "aux": from_bits(r["aux"])}
+            if with_final:
+                item["final"] = from_bits(r["final"])
+            self.items.append(item)
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, T]
+    target_next: torch.Tensor  # [B, T]
+    aux: torch.Tensor  # [B, T, n·H_t] float32
+    final: torch.Tensor | None  # [B, T, H_t] target post-norm state (KL only)
+    prompt_len: torch.Tensor  # [B]
+    seq_len: torch.Tensor  # [B]
+
+    @property
+    def first(self) -> torch.Tensor:
+        """[B] the first verified position an engine drafts from: the prompt's last token."""
+        return self.prompt_len - 1
+
+    def drafting(self, j: int) -> torch.Tensor:
+        """[B, T] positions t that draft (t >= P-1) and whose j-th draft x_{t+j+1} is in the sequence."""
+        pos = torch.arange(self.input_ids.shape[1])
+        return (pos >= self.first[:, None]) & (pos + j + 1 < self.seq_len[:, None])
+
+
+def collate(items: list[dict]) -> Batch:
+    T = max(len(it["input_ids"]) for it in items)
+
+    def pad(key, value=0):
+        out = []
+        for it in items:
+            x = it[key]
+            out.append(F.pad(x, (0, 0, 0, T - len(x)) if x.dim() == 2 else (0, T - len(x)), value=value))
+        return torch.stack(out)
+
+    return Batch(input_ids=pad("input_ids"), target_next=pad("target_next"), aux=pad("aux").float(),
+                 final=pad("final").float() if "final" in items[0] else None,
+                 prompt_len=torch.tensor([it["prompt_len"] for it in items]),
+                 seq_len=torch.tensor([len(it["input_ids"]) for it in items]))
+
+
+def shift(x: torch.Tensor, by: int, value=0) -> torch.Tensor:
+    """x[:, t + by] at index t (padded with `value` past the end)."""
+    T = x.shape[1]
+    pad = (0, 0, 0, by) if x.dim() == 3 else (0, by)
+    return F.pad(x, pad, value=value)[:, by: by + T]
+
+
+# --- acceptance from one unrolled forward -----------------------------------------------------
+@torch.no_grad()
+def acceptance_counts(drafter: Eagle3Drafter, batch: Batch, max_k: int) -> dict[int, AcceptanceCounts]:
+    """Simulated greedy-chain acceptance for every k <= max_k from one max_k-step unroll."""
+    outs = drafter.unroll(batch.aux, batch.input_ids, max_k, first=batch.first)
+    drafting = batch.drafting(0)  # verified positions t >= P-1 with x_{t+1} in the sequence
+    drafts = torch.full((*batch.input_ids.shape, max_k), -1, dtype=torch.long)  # [B, T, K]
+    for j, out in enumerate(outs):
+        drafts[..., j][drafting] = drafter.to_target_ids(drafter.lm_head(out.normed[drafting]).argmax(-1))
+    truth = torch.stack([shift(batch.input_ids, j + 1, value=-2) for j in range(1, max_k + 1)], dim=-1)
+    matches = drafts == truth  # draft j at s vs x_{s+j+1}
+    totals = {k: AcceptanceCounts(k=k) for k in range(1, max_k + 1)}
+    for b in range(batch.input_ids.shape[0]):
+        n, p = int(batch.seq_len[b]), int(batch.prompt_len[b])
+        for k in totals:
+            totals[k].add(simulate(matches[b, :n], p, n, k))
+    return totals
+
+
+# --- the module --------------------------------------------------------------------------------
+class DrafterModule(L.LightningModule):
+    def __init__(self, model_cfg: Eagle3Config, train_cfg: TrainConfig, target_head: torch.Tensor | None = None):
+        super().__init__()
+        self.save_hyperparameters({"model": model_cfg.to_dict(), "train": vars(train_cfg)})
+        self.train_cfg = train_cfg
+        self.drafter = Eagle3Drafter(model_cfg)
+        # Target lm_head rows of the draft vocab [V_draft, H_t], frozen: the KL loss's teacher.
+        self.register_buffer("target_head", target_head if target_head is not None
+                             else torch.zeros(0), persistent=False)
+        self.val_k = (train_cfg.ttt_steps, 2 * train_cfg.ttt_steps)
+        self._val_counts: dict[int, AcceptanceCounts] = {}
+        self._val_acc: list[list[float]] = []
+
+    def ttt(self, batch: Batch, steps: int):
+        """-> (weighted loss, [loss_j], [correct_j], [count_j]) over draft steps j = 1..steps."""
+        d = self.drafter
+        outs = d.unroll(batch.aux, batch.input_ids, steps, first=batch.first)
+        target_to_draft = torch.cumsum(d.t2d.long(), 0) - 1  # target id -> draft index (if in vocab)
+        total, losses, correct, counted = 0.0, [], [], []
+        for j, out in enumerate(outs, start=1):
+            valid = batch.drafting(j)  # only drafts an engine makes: from t >= P-1, inside the sequence
+            label = shift(batch.target_next, j)[valid]  # target's greedy token after t+j: [N]
+            logp = F.log_softmax(d.lm_head(out.normed[valid]).float(), dim=-1)  # [N, V_draft], loss rows only
+            if self.train_cfg.loss == "ce":
+                in_vocab = d.t2d[label]  # tokens outside the draft vocab cannot be learnt
+                nll = -logp.gather(-1, target_to_draft.clamp(min=0)[label][:, None])[:, 0]
+                loss_j = (nll * in_vocab).sum() / in_vocab.sum().clamp(min=1)
+            else:
+                p = F.softmax((shift(batch.final, j)[valid] @ self.target_head.T).float(), dim=-1)
+                loss_j = (p * (torch.log(p.clamp_min(1e-20)) - logp)).sum(-1).mean() if len(p) else logp.sum()
+            hit = d.to_target_ids(logp.argmax(-1)) == label
+            total = total + self.train_cfg.step_decay ** (j - 1) * loss_j
+            losses.append(loss_j.detach())
+            correct.append(int(hit.sum()))
+            counted.append(len(label))
+        return total, losses, correct, counted
+
+    def training_step(self, batch: Batch, batch_idx: int):
+        loss, losses, correct, counted = self.ttt(batch, self.train_cfg.ttt_steps)
+        if not torch.isfinite(loss):
+            raise TrainingError(f"non-finite loss at step {self.global_step}; the last good checkpoint is "
+                                "kept in checkpoints/; lower train.lr or raise train.grad_clip protection")
+        bs = batch.input_ids.shape[0]
+        self.log("train/loss", loss, prog_bar=True, batch_size=bs)
+        for j, (l_j, c, n) in enumerate(zip(losses, correct, counted), start=1):
+            self.log(f"train/loss@d{j}", l_j, batch_size=bs)
+            self.log(f"train/acc@d{j}", c / max(n, 1), batch_size=bs)
+        return loss
+
+    def on_validation_epoch_start(self):
+        self._val_counts = {k: AcceptanceCounts(k=k) for k in self.val_k}
+        self._val_acc = []
+
+    def validation_step(self, batch: Batch, batch_idx: int):
+        steps = max(self.val_k)
+        _, _, correct, counted = self.ttt(batch, steps)
+        self._val_acc.append([correct, counted])
+        counts = acceptance_counts(self.drafter, batch, steps)
+        for k in self.val_k:
+            self._val_counts[k].add(counts[k])
+
+    def on_validation_epoch_end(self):
+        if not self._val_acc:
+            return
+        steps = max(self.val_k)
+        for j in range(steps):
+            c = sum(r[0][j] for r in self._val_acc)
+            n = sum(r[1][j] for r in self._val_acc)
+            self.log(f"val/acc@d{j + 1}", c / max(n, 1))
+        for k, counts in self._val_counts.items():
+            self.log(f"val/acceptance_length@k{k}", counts.acceptance_length, prog_bar=True)
+
+    def configure_optimizers(self):
+        cfg = self.train_cfg
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        warmup = min(cfg.warmup_steps, max(total // 10, 1))
+
+        def schedule(step):  # linear warm-up, cosine decay to 10%
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

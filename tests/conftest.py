@@ -1,0 +1,40 @@
+"""Tests compose the same Hydra configs the CLI does and call the same `eaglelab.pipeline.run`."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """One cache per test session: cold at the start (the real conversion and capture paths run), then
+    shared by every test, as trials of a sweep share it."""
+    return tmp_path_factory.mktemp("eaglelab-cache")
+
+
+def compose(overrides: list[str], cache_dir: Path, run_dir: Path):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from eaglelab.config import to_run_config
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = hydra_compose("config", overrides=[*overrides, f"paths.cache_dir={cache_dir}"])
+    run_cfg = to_run_config(cfg)
+    run_cfg.run_dir = str(run_dir)
+    return run_cfg
+
+
+def run_cli(args: list[str], cache_dir: Path, results_dir: Path, timeout: int = 600):
+    """`python src/run.py ARGS` in a subprocess, as a user types it."""
+    env = {**os.environ, "EAGLELAB_CACHE_DIR": str(cache_dir), "EAGLELAB_RESULTS_DIR": str(results_dir),
+           "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, str(ROOT / "src" / "run.py"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
