@@ -2,9 +2,12 @@
 
     python benchmarks/capture_throughput.py [--target smollm2|tiny] [--seqs 8] [--len 512] [--repeats 5]
 
-Prints a small table; `--json PATH` also writes the figures. Both sides run the same padded batches
-through the same model; capture adds the forward hooks, the concatenation of aux states, the argmax
-and the bf16 -> uint16 conversion the cache stores.
+Two comparisons, each side run on the same tokens through the same model, interleaved:
+- separate capture pass (hooks, aux concatenation, argmax, bf16 -> uint16 as cached) vs a bare
+  forward over the same padded batches;
+- the fused path eaglelab uses by default: greedy generation that captures as it goes vs the same
+  generation without capture (`--gen-prompts`, `--gen-tokens`).
+Prints a small table; `--json PATH` also writes the figures.
 """
 
 import argparse
@@ -21,6 +24,8 @@ import torch  # noqa: E402
 from eaglelab.config import TargetConfig  # noqa: E402
 from eaglelab.data.capture import capture_batch  # noqa: E402
 from eaglelab.data.prepare import bf16_bits  # noqa: E402
+from eaglelab.data.prompts import humaneval_prompts  # noqa: E402
+from eaglelab.data.regenerate import generate, template_prompt  # noqa: E402
 from eaglelab.targets import load_target  # noqa: E402
 
 
@@ -32,6 +37,8 @@ def main():
     ap.add_argument("--len", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--gen-prompts", type=int, default=8)
+    ap.add_argument("--gen-tokens", type=int, default=48)
     ap.add_argument("--json")
     args = ap.parse_args()
     target = load_target(TargetConfig(kind=args.target, dtype="bfloat16"), args.cache_dir)
@@ -51,21 +58,40 @@ def main():
             for a, f, n in capture_batch(target, seqs[i: i + args.batch], aux):
                 bf16_bits(a), bf16_bits(f), n.tolist()
 
+    prompts = [template_prompt(target.tokenizer, m, None) for m in humaneval_prompts()[: args.gen_prompts]]
+    generated = {}
+
+    def gen(capture_layers):
+        n = 0
+        for i, resp, _ in generate(target, prompts, args.gen_tokens, 4096, len(prompts), capture_layers):
+            generated.setdefault(i, resp)
+            assert generated[i] == resp  # both sides produce the same tokens
+            n += len(resp)
+        return n
+
     bare()  # warm-up
-    times = {"bare_forward": [], "capture": []}
-    for _ in range(args.repeats):  # interleaved, so drift in machine load hits both alike
-        for name, fn in (("bare_forward", bare), ("capture", capture)):
+    fns = {"bare_forward": bare, "capture": capture,
+           "generate": lambda: gen(None), "generate+capture": lambda: gen(aux)}
+    times = {k: [] for k in fns}
+    gen_tokens = gen(None)
+    for _ in range(args.repeats):  # interleaved, so drift in machine load hits all alike
+        for name, fn in fns.items():
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    med = {k: tokens / statistics.median(v) for k, v in times.items()}
-    ratio = med["capture"] / med["bare_forward"]
-    print(f"{'':14s} {'tok/s (median of ' + str(args.repeats) + ')':>24s}")
+    work = {"bare_forward": tokens, "capture": tokens, "generate": gen_tokens, "generate+capture": gen_tokens}
+    med = {k: work[k] / statistics.median(v) for k, v in times.items()}
+    ratios = {"capture/bare_forward": med["capture"] / med["bare_forward"],
+              "generate+capture/generate": med["generate+capture"] / med["generate"]}
+    print(f"{'':18s} {'tok/s (median of ' + str(args.repeats) + ')':>24s}")
     for k, v in med.items():
-        print(f"{k:14s} {v:24.0f}")
-    print(f"capture / bare = {ratio:.3f}   ({args.target}, {args.seqs}x{args.len} tokens, batch {args.batch})")
+        print(f"{k:18s} {v:24.0f}")
+    for k, v in ratios.items():
+        print(f"{k:28s} {v:.3f}")
+    print(f"({args.target}; forward: {args.seqs}x{args.len} tokens, batch {args.batch}; "
+          f"generate: {len(prompts)} HumanEval prompts x {args.gen_tokens} new tokens)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"tokens_per_s": med, "ratio": ratio, "args": vars(args)}, indent=2))
+        Path(args.json).write_text(json.dumps({"tokens_per_s": med, "ratios": ratios, "args": vars(args)}, indent=2))
 
 
 if __name__ == "__main__":

@@ -72,3 +72,17 @@ def test_sharegpt_and_openai_rows(tmp_path):
     assert rows == [[{"role": "user", "content": "a"}],
                     [{"role": "user", "content": "c"}, {"role": "assistant", "content": "d"},
                      {"role": "user", "content": "e"}]]
+
+
+def test_hf_dataset_saved_to_disk(tmp_path):
+    import datasets
+
+    from eaglelab.data.prompts import load_source
+
+    ds = datasets.Dataset.from_dict({"messages": [[{"role": "user", "content": "write a haiku"}],
+                                                  [{"role": "system", "content": "be brief"},
+                                                   {"role": "user", "content": "why?"}]]})
+    ds.save_to_disk(str(tmp_path / "ds"))
+    assert load_source(f"hf:{tmp_path / 'ds'}") == [[{"role": "user", "content": "write a haiku"}],
+                                                     [{"role": "system", "content": "be brief"},
+                                                      {"role": "user", "content": "why?"}]]

@@ -44,8 +44,33 @@ def test_same_seed_gives_identical_metrics(smoke_runs):
     assert b["time/regenerate_s"] < a["time/regenerate_s"] or a["time/regenerate_s"] < 1.0
 
 
-def test_ablation_changes_the_exported_flags(cache_dir, tmp_path):
-    run_dir = run(compose(["experiment=smoke", "+ablation=eagle3", "train.epochs=1"], cache_dir, tmp_path / "e3"))
+def test_ablation_changes_the_exported_flags_and_kl_loss_trains(cache_dir, tmp_path):
+    run_dir = run(compose(["experiment=smoke", "+ablation=eagle3", "train.epochs=1", "train.loss=kl"],
+                          cache_dir, tmp_path / "e3"))
     exported = json.loads((run_dir / "drafter/config.json").read_text())
     assert (exported["fc_norm"], exported["norm_output"]) == (False, False)
     assert json.loads((run_dir / "run.json").read_text())["variant"] == "eagle3"
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["train/loss"] == metrics["train/loss"] and metrics["train/loss"] > 0  # finite KL
+
+
+def test_hf_target_of_another_family(cache_dir, tmp_path):
+    """target=hf on a local Qwen2-architecture folder (random weights, a ChatML tokenizer)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from eaglelab.targets import smollm2_gguf_path
+
+    gguf = smollm2_gguf_path()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=128, intermediate_size=256,
+                                         num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1,
+                                         max_position_embeddings=4096, tie_word_embeddings=True))
+    model.save_pretrained(tmp_path / "qwen2-tiny")
+    tok.save_pretrained(tmp_path / "qwen2-tiny")
+    run_dir = run(compose(["experiment=smoke", "target=hf", f"target.name_or_path={tmp_path / 'qwen2-tiny'}",
+                           "target.dtype=float32", "train.epochs=1"], cache_dir, tmp_path / "run"))
+    exported = json.loads((run_dir / "drafter/config.json").read_text())
+    assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3]  # (2, L//2, L-3), L=6
+    assert json.loads((run_dir / "run.json").read_text())["target"].startswith("hf:")
