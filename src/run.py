@@ -5,6 +5,7 @@ Composes conf/ with Hydra, runs eaglelab.pipeline.run, prints `run_dir: <path>` 
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -23,6 +24,10 @@ def main(cfg: DictConfig) -> None:
     from eaglelab.config import to_run_config
     from eaglelab.pipeline import run
 
+    def interrupt(signum, _frame):  # SIGTERM (kill, a scheduler) ends the run like Ctrl-C: cleanly
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
     try:
         run_cfg = to_run_config(cfg)
         run_cfg.run_dir = HydraConfig.get().runtime.output_dir

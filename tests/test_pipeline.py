@@ -19,7 +19,7 @@ def smoke_runs(cache_dir, tmp_path_factory):
 
 def test_smoke_run_writes_the_documented_layout(smoke_runs):
     run_dir, _ = smoke_runs
-    for name in ("config.yaml", "run.json", "metrics.json", "acceptance.csv", "per_position.csv",
+    for name in ("config.yaml", "run.json", "metrics.json", "acceptance.csv", "per_position.csv", "acceptance.png",
                  "drafter/config.json", "drafter/model.safetensors", "lightning/last.ckpt",
                  "logs/metrics.csv"):
         assert (run_dir / name).is_file(), name
@@ -74,3 +74,10 @@ def test_hf_target_of_another_family(cache_dir, tmp_path):
     exported = json.loads((run_dir / "drafter/config.json").read_text())
     assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3]  # (2, L//2, L-3), L=6
     assert json.loads((run_dir / "run.json").read_text())["target"].startswith("hf:")
+
+
+def test_run_writes_an_acceptance_figure(smoke_runs):
+    from PIL import Image
+
+    image = Image.open(smoke_runs[0] / "acceptance.png")
+    assert image.size[0] > 600 and image.size[1] > 200

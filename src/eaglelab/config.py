@@ -69,8 +69,8 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     warmup_steps: int = 20
-    batch_size: int = 4
-    epochs: int = 4
+    batch_size: int = 2
+    epochs: int = 8
     max_steps: int = -1
     grad_clip: float = 0.5
     seed: int = 0

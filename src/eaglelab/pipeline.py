@@ -30,6 +30,7 @@ from eaglelab.errors import ConfigError, EaglelabError
 from eaglelab.evaluate import acceptance_rows, evaluate_simulated
 from eaglelab.export import save_drafter
 from eaglelab.io import atomic_write_json, atomic_write_text
+from eaglelab.plots import plot_acceptance
 from eaglelab.targets import load_target
 
 log = logging.getLogger("eaglelab")
@@ -143,13 +144,11 @@ def run(cfg: RunConfig) -> Path:
 
 
 def _run(cfg: RunConfig, run_dir: Path, info: dict) -> dict:
-    import lightning as L
-
-    from eaglelab.training import DrafterModule, FeatureDataset, collate
-
     timer = StageTimer()
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
+    import lightning as L
+
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)
 
     with timer("convert"):
@@ -161,7 +160,34 @@ def _run(cfg: RunConfig, run_dir: Path, info: dict) -> dict:
         "target_num_layers": target.num_layers, "max_k": max_k(cfg)}}))
     atomic_write_text(run_dir / "config.yaml", resolved)
 
-    # Data: training prompts and held-out evaluation prompts, never overlapping.
+    train_feats, eval_feats, data_metrics = prepare_data(cfg, target, model_cfg, timer)
+    with timer("train"):
+        module, train_metrics = train_drafter(cfg, run_dir, model_cfg, target, train_feats)
+    del target  # not needed past training; frees its memory
+    with timer("export"):
+        save_drafter(module.drafter, run_dir / "drafter")
+    with timer("evaluate"):
+        totals = evaluate_simulated(module.drafter, eval_feats, max_k(cfg), batch_size=cfg.train.batch_size)
+    info["evaluator"] = "simulated"
+
+    by_k, by_pos = acceptance_rows(totals, evaluator="simulated", suite=cfg.eval.prompts)
+    _write_csv(run_dir / "acceptance.csv", by_k)
+    _write_csv(run_dir / "per_position.csv", by_pos)
+    plot_acceptance(run_dir, f"{cfg.variant} (seed {cfg.train.seed})")
+    metrics: dict[str, float | int] = {}
+    for row in by_k:
+        metrics[f"acceptance_length@k{row['k']}"] = row["acceptance_length"]
+    for row in by_pos:
+        metrics[f"acceptance_rate@k{row['k']}@pos{row['position']}"] = row["acceptance_rate"]
+    metrics.update(train_metrics)
+    metrics.update(data_metrics)
+    timer.seconds["total"] = time.time() - info["started"]
+    metrics.update({f"time/{k}_s": v for k, v in timer.seconds.items()})
+    return metrics
+
+
+def prepare_data(cfg: RunConfig, target, model_cfg: Eagle3Config, timer: StageTimer):
+    """Training prompts and held-out evaluation prompts (never overlapping), regenerated and captured."""
     eval_prompts = humaneval_prompts() if cfg.eval.prompts == "humaneval" else load_source(cfg.eval.prompts)
     eval_prompts = eval_prompts[: cfg.eval.num_prompts] if cfg.eval.num_prompts else eval_prompts
     train_prompts = mix_sources(cfg.data.sources, cfg.data.num_prompts, cfg.data.seed)
@@ -180,59 +206,40 @@ def _run(cfg: RunConfig, run_dir: Path, info: dict) -> dict:
                                               max_new_tokens=cfg.eval.max_new_tokens, **common)
     for stage in ("regenerate", "capture"):
         timer.seconds[stage] = train_stats.seconds[stage] + eval_stats.seconds[stage]
+    metrics = {"data/train_tokens": train_stats.tokens, "data/response_tokens": train_stats.response_tokens,
+               "data/skipped_too_long": train_stats.skipped_too_long + eval_stats.skipped_too_long,
+               "data/eval_sequences": len(eval_feats)}
+    return train_feats, eval_feats, metrics
 
-    is_val = train_feats["is_val"]
+
+def train_drafter(cfg: RunConfig, run_dir: Path, model_cfg: Eagle3Config, target, features):
+    """Draft vocabulary from the training split, init from the target, TTT training with Lightning."""
+    from eaglelab.training import DrafterModule, FeatureDataset, collate
+
+    is_val = features["is_val"]
     train_idx = [i for i, v in enumerate(is_val) if not v]
     val_idx = [i for i, v in enumerate(is_val) if v]
     if not train_idx:
         raise EaglelabError("no training sequences left after the validation split; lower data.val_fraction "
                             "or raise data.num_prompts")
-
-    with timer("train"):
-        with_final = cfg.train.loss == "kl"
-        train_set = FeatureDataset(train_feats, train_idx, with_final)
-        val_set = FeatureDataset(train_feats, val_idx, with_final) if val_idx else None
-        draft_ids, coverage = draft_vocab([it["input_ids"] for it in train_set.items],
-                                          [it["prompt_len"] for it in train_set.items],
-                                          model_cfg.vocab_size, model_cfg.draft_vocab_size)
-        module = DrafterModule(model_cfg, cfg.train)
-        module.target_head = _init_from_target(module, target, draft_ids, cfg.drafter.init_lm_head_from_target)
-        del target  # the target is not needed past this point (frees its memory for training)
-        loader = torch.utils.data.DataLoader(train_set, batch_size=cfg.train.batch_size, shuffle=True,
-                                             collate_fn=collate, generator=torch.Generator().manual_seed(cfg.train.seed))
-        val_loader = (torch.utils.data.DataLoader(val_set, batch_size=cfg.train.batch_size, collate_fn=collate)
-                      if val_set else None)
-        trainer = _trainer(cfg, run_dir)
-        trainer.fit(module, loader, val_loader)
-        if trainer.interrupted:
-            raise KeyboardInterrupt("training interrupted")
-
-    with timer("export"):
-        save_drafter(module.drafter, run_dir / "drafter")
-
-    K = max_k(cfg)
-    with timer("evaluate"):
-        totals = evaluate_simulated(module.drafter, eval_feats, K, batch_size=cfg.train.batch_size)
-    by_k, by_pos = acceptance_rows(totals, evaluator="simulated", suite=cfg.eval.prompts)
-    _write_csv(run_dir / "acceptance.csv", by_k)
-    _write_csv(run_dir / "per_position.csv", by_pos)
-
-    metrics: dict[str, float | int | str] = {}
-    for row in by_k:
-        metrics[f"acceptance_length@k{row['k']}"] = row["acceptance_length"]
-    for row in by_pos:
-        metrics[f"acceptance_rate@k{row['k']}@pos{row['position']}"] = row["acceptance_rate"]
-    for key, value in trainer.callback_metrics.items():
-        if key.startswith(("val/", "train/")):
-            metrics[key] = float(value)
-    metrics.update({
-        "data/train_sequences": len(train_idx), "data/val_sequences": len(val_idx),
-        "data/train_tokens": train_stats.tokens, "data/response_tokens": train_stats.response_tokens,
-        "data/skipped_too_long": train_stats.skipped_too_long + eval_stats.skipped_too_long,
-        "data/eval_sequences": len(eval_feats), "data/draft_vocab_coverage": coverage,
-        "train/steps": int(trainer.global_step),
-    })
-    timer.seconds["total"] = time.time() - info["started"]
-    metrics.update({f"time/{k}_s": v for k, v in timer.seconds.items()})
-    info["evaluator"] = "simulated"
-    return metrics
+    with_final = cfg.train.loss == "kl"
+    train_set = FeatureDataset(features, train_idx, with_final)
+    val_set = FeatureDataset(features, val_idx, with_final) if val_idx else None
+    draft_ids, coverage = draft_vocab([it["input_ids"] for it in train_set.items],
+                                      [it["prompt_len"] for it in train_set.items],
+                                      model_cfg.vocab_size, model_cfg.draft_vocab_size)
+    module = DrafterModule(model_cfg, cfg.train)
+    module.target_head = _init_from_target(module, target, draft_ids, cfg.drafter.init_lm_head_from_target)
+    loader = torch.utils.data.DataLoader(train_set, batch_size=cfg.train.batch_size, shuffle=True,
+                                         collate_fn=collate,
+                                         generator=torch.Generator().manual_seed(cfg.train.seed))
+    val_loader = (torch.utils.data.DataLoader(val_set, batch_size=cfg.train.batch_size, collate_fn=collate)
+                  if val_set else None)
+    trainer = _trainer(cfg, run_dir)
+    trainer.fit(module, loader, val_loader)
+    if trainer.interrupted:
+        raise KeyboardInterrupt("training interrupted")
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("val/", "train/"))}
+    metrics.update({"data/train_sequences": len(train_idx), "data/val_sequences": len(val_idx),
+                    "data/draft_vocab_coverage": coverage, "train/steps": int(trainer.global_step)})
+    return module, metrics
