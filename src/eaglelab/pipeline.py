@@ -147,10 +147,6 @@ def _run(cfg: RunConfig, run_dir: Path, info: dict) -> dict:
     timer = StageTimer()
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
-    import lightning as L
-
-    L.seed_everything(cfg.train.seed, workers=True, verbose=False)
-
     with timer("convert"):
         target = load_target(cfg.target, cfg.paths.cache_dir)
     model_cfg = build_model_config(cfg, target)
@@ -214,8 +210,13 @@ def prepare_data(cfg: RunConfig, target, model_cfg: Eagle3Config, timer: StageTi
 
 def train_drafter(cfg: RunConfig, run_dir: Path, model_cfg: Eagle3Config, target, features):
     """Draft vocabulary from the training split, init from the target, TTT training with Lightning."""
+    import lightning as L
+
     from eaglelab.training import DrafterModule, FeatureDataset, collate
 
+    # Seeded here, right before anything random, so the result never depends on what ran before
+    # (e.g. whether the data came from the cache or was just generated).
+    L.seed_everything(cfg.train.seed, workers=True, verbose=False)
     is_val = features["is_val"]
     train_idx = [i for i, v in enumerate(is_val) if not v]
     val_idx = [i for i, v in enumerate(is_val) if v]

@@ -128,8 +128,9 @@ def _tiny_folder(cfg: TargetConfig, cache_dir: Path) -> tuple[Path, str]:
             max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         )
-        torch.manual_seed(cfg.seed)
-        model = LlamaForCausalLM(config)
+        with torch.random.fork_rng():  # the caller's random state is not touched
+            torch.manual_seed(cfg.seed)
+            model = LlamaForCausalLM(config)
         with atomic_dir(out) as tmp:
             model.save_pretrained(tmp)
             tok.save_pretrained(tmp)

@@ -4,7 +4,7 @@ vLLM's id k is "the residual stream after k decoder layers" = HF `output_hidden_
 (0 = embeddings). A hook on layer k-1's output (or on the embedding for k = 0) grabs exactly that
 tensor without keeping all L+1 states alive. We also keep the target's post-norm last state (for the
 KL loss, whose target distribution is lm_head of it restricted to the draft vocab) and its greedy
-next token at every position (the label).
+next token (the label; the fused path stores -1 inside the prompt, where no label is ever read).
 """
 
 from __future__ import annotations

@@ -64,28 +64,34 @@ def generate(target, prompt_ids: list[list[int]], max_new_tokens: int, max_lengt
                 ids[row, W - lens[row]:] = torch.tensor(prompt_ids[i])
                 mask[row, W - lens[row]:] = 1
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+            # Logits of the last prompt position only: labels are never needed inside the prompt (the
+            # first draft is made from position P-1), and full-vocab logits of a whole batch of
+            # prompts would cost B·W·V floats.
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                        logits_to_keep=1)
             states = [[] for _ in idx]  # per row: list of (aux [t, n·H], final [t, H], next [t])
 
-            def record(rows, first):
-                nxt = out.logits.argmax(-1)
+            def record(rows, logits, prefill):
+                nxt = logits[:, -1].argmax(-1)
                 for row in rows:
-                    sl = slice(W - lens[row], None) if first else slice(None)
+                    sl = slice(W - lens[row], None) if prefill else slice(None)
                     aux = torch.cat([grabbed[k][row, sl] for k in capture_layers], dim=-1)
-                    states[row].append((aux, grabbed["final"][row, sl], nxt[row, sl]))
+                    nexts = torch.full((aux.shape[0],), -1, dtype=torch.long)  # -1: inside the prompt
+                    nexts[-1] = nxt[row]
+                    states[row].append((aux, grabbed["final"][row, sl], nexts))
 
             if capture_layers:
-                record(range(B), first=True)
+                record(range(B), out.logits, prefill=True)
             nxt = out.logits[:, -1].argmax(-1)
             alive = torch.ones(B, dtype=torch.bool)
             responses: list[list[int]] = [[] for _ in idx]
-            for step in range(min(max_new_tokens, max_length - W)):
+            budget = min(max_new_tokens, max_length - W)
+            for step in range(budget):
                 fed = alive.clone()  # rows whose token `nxt` belongs to their sequence
                 for row in torch.nonzero(fed).flatten().tolist():
                     responses[row].append(int(nxt[row]))
                 alive &= ~torch.isin(nxt, eos)
-                last = step == min(max_new_tokens, max_length - W) - 1
-                if not capture_layers and (last or not alive.any()):
+                if not capture_layers and (step == budget - 1 or not alive.any()):
                     break
                 # Feed the new tokens: their states (capture) and the following greedy token.
                 mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype)], dim=-1)
@@ -93,7 +99,7 @@ def generate(target, prompt_ids: list[list[int]], max_new_tokens: int, max_lengt
                 out = model(input_ids=torch.where(fed, nxt, pad)[:, None], attention_mask=mask,
                             position_ids=positions, past_key_values=out.past_key_values, use_cache=True)
                 if capture_layers:
-                    record(torch.nonzero(fed).flatten().tolist(), first=False)
+                    record(torch.nonzero(fed).flatten().tolist(), out.logits, prefill=False)
                 nxt = out.logits[:, -1].argmax(-1)
                 if not alive.any():
                     break
