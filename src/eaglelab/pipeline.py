@@ -10,7 +10,6 @@ import contextlib
 import csv
 import json
 import logging
-import os
 import platform
 import time
 import traceback
@@ -188,10 +187,10 @@ def prepare_data(cfg: RunConfig, target, model_cfg: Eagle3Config, timer: StageTi
     eval_prompts = eval_prompts[: cfg.eval.num_prompts] if cfg.eval.num_prompts else eval_prompts
     train_prompts = mix_sources(cfg.data.sources, cfg.data.num_prompts, cfg.data.seed)
     held_out = {json.dumps(p, sort_keys=True) for p in eval_prompts}
-    overlap = sum(json.dumps(p, sort_keys=True) in held_out for p in train_prompts)
-    if overlap:
-        log.warning("dropped %d training prompts that are also evaluation prompts", overlap)
-        train_prompts = [p for p in train_prompts if json.dumps(p, sort_keys=True) not in held_out]
+    kept = [p for p in train_prompts if json.dumps(p, sort_keys=True) not in held_out]
+    if len(kept) < len(train_prompts):
+        log.warning("dropped %d training prompts that are also evaluation prompts", len(train_prompts) - len(kept))
+    train_prompts = kept
     common = dict(cache_dir=cfg.paths.cache_dir, aux_layer_ids=list(model_cfg.aux_layer_ids),
                   system_prompt=cfg.data.system_prompt, max_length=cfg.data.max_length,
                   batch_size=cfg.data.regen_batch_size)

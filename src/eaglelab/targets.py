@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,8 +18,6 @@ import torch
 from eaglelab.config import TargetConfig
 from eaglelab.errors import TargetError
 from eaglelab.io import atomic_dir
-
-log = logging.getLogger(__name__)
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -7,7 +7,6 @@ continuations of each prompt; the assistant tokens are exactly the generated ids
 from __future__ import annotations
 
 import contextlib
-import logging
 
 import torch
 from tqdm.auto import tqdm
@@ -15,8 +14,6 @@ from tqdm.auto import tqdm
 from eaglelab.data.capture import aux_hooks
 from eaglelab.data.prompts import Messages
 from eaglelab.errors import DataError
-
-log = logging.getLogger(__name__)
 
 
 def template_prompt(tokenizer, messages: Messages, system_prompt: str | None) -> list[int]:
