@@ -72,17 +72,25 @@ def build_model_config(cfg: RunConfig, target) -> Eagle3Config:
         raise ConfigError(str(e)) from None
 
 
-def _init_from_target(module, target, draft_ids: torch.Tensor, init_lm_head: bool) -> torch.Tensor:
+def target_tensors(target) -> dict[str, torch.Tensor]:
+    """The only target weights training needs: embeddings, lm_head and final norm (so the rest of the
+    target can be freed before training)."""
+    return {"embed": target.model.get_input_embeddings().weight.detach(),
+            "lm_head": target.model.get_output_embeddings().weight.detach(),
+            "norm": target.model.model.norm.weight.detach()}
+
+
+def _init_from_target(module, shared: dict[str, torch.Tensor], draft_ids: torch.Tensor,
+                      init_lm_head: bool) -> torch.Tensor:
     """Share the target's embeddings (frozen); optionally start lm_head/norm at the target's.
     Returns the target's lm_head rows of the draft vocab (the KL teacher)."""
     d = module.drafter
     d.set_vocab(draft_ids)
-    emb = target.model.get_input_embeddings().weight.detach().float()
-    d.embed_tokens.weight.data.copy_(emb)
-    head = target.model.get_output_embeddings().weight.detach().float()[draft_ids].clone()
+    d.embed_tokens.weight.data.copy_(shared["embed"].float())
+    head = shared["lm_head"].float()[draft_ids].clone()
     if init_lm_head:
         d.lm_head.weight.data.copy_(head)
-        d.norm.weight.data.copy_(target.model.model.norm.weight.detach().float())
+        d.norm.weight.data.copy_(shared["norm"].float())
     return head
 
 
@@ -156,9 +164,10 @@ def _run(cfg: RunConfig, run_dir: Path, info: dict) -> dict:
     atomic_write_text(run_dir / "config.yaml", resolved)
 
     train_feats, eval_feats, data_metrics = prepare_data(cfg, target, model_cfg, timer)
+    shared = target_tensors(target)
+    del target  # the rest of the target is not needed past data preparation: free it before training
     with timer("train"):
-        module, train_metrics = train_drafter(cfg, run_dir, model_cfg, target, train_feats)
-    del target  # not needed past training; frees its memory
+        module, train_metrics = train_drafter(cfg, run_dir, model_cfg, shared, train_feats)
     with timer("export"):
         save_drafter(module.drafter, run_dir / "drafter")
     with timer("evaluate"):
@@ -207,7 +216,8 @@ def prepare_data(cfg: RunConfig, target, model_cfg: Eagle3Config, timer: StageTi
     return train_feats, eval_feats, metrics
 
 
-def train_drafter(cfg: RunConfig, run_dir: Path, model_cfg: Eagle3Config, target, features):
+def train_drafter(cfg: RunConfig, run_dir: Path, model_cfg: Eagle3Config, shared: dict[str, torch.Tensor],
+                  features):
     """Draft vocabulary from the training split, init from the target, TTT training with Lightning."""
     import lightning as L
 
@@ -229,7 +239,7 @@ def train_drafter(cfg: RunConfig, run_dir: Path, model_cfg: Eagle3Config, target
                                       [it["prompt_len"] for it in train_set.items],
                                       model_cfg.vocab_size, model_cfg.draft_vocab_size)
     module = DrafterModule(model_cfg, cfg.train)
-    module.target_head = _init_from_target(module, target, draft_ids, cfg.drafter.init_lm_head_from_target)
+    module.target_head = _init_from_target(module, shared, draft_ids, cfg.drafter.init_lm_head_from_target)
     loader = torch.utils.data.DataLoader(train_set, batch_size=cfg.train.batch_size, shuffle=True,
                                          collate_fn=collate,
                                          generator=torch.Generator().manual_seed(cfg.train.seed))

@@ -57,7 +57,7 @@ def _counter(metrics: dict, name: str):
     m = metrics.get(name)
     if m is None:
         return None
-    return getattr(m, "values", None) if hasattr(m, "values") else m.value
+    return m.values if hasattr(m, "values") else m.value  # vector counters (per position) have .values
 
 
 def main() -> None:
