@@ -86,3 +86,19 @@ def test_hf_dataset_saved_to_disk(tmp_path):
     assert load_source(f"hf:{tmp_path / 'ds'}") == [[{"role": "user", "content": "write a haiku"}],
                                                      [{"role": "system", "content": "be brief"},
                                                       {"role": "user", "content": "why?"}]]
+
+
+def test_vllm_regeneration_backend_matches_hf(tiny, tmp_path):
+    """data.regen_backend=vllm: the real engine regenerates the same greedy responses (same stop
+    tokens, budget, EOS kept) and the capture pass then fills the same feature layout."""
+    prompts = mix_sources(["stdlib_docstrings"], 6, seed=2)
+    kw = {"name": "t", "aux_layer_ids": [2, 4, 5], "system_prompt": None, "max_new_tokens": 16,
+          "max_length": 512, "batch_size": 6}
+    hf, _ = prepare_features(tiny, prompts, cache_dir=tmp_path / "hf", **kw)
+    vl, stats = prepare_features(tiny, prompts, cache_dir=tmp_path / "vllm", backend="vllm", **kw)
+    assert stats.seconds["regenerate"] > 0 and stats.seconds["capture"] > 0
+    hf_seqs = {tuple(r) for r in hf["input_ids"]}
+    same = sum(tuple(r) in hf_seqs for r in vl["input_ids"])
+    assert same == len(prompts), f"{same}/{len(prompts)} identical greedy sequences"
+    for row in vl.with_format("numpy"):
+        assert len(row["aux"]) == len(row["input_ids"]) == len(row["target_next"])

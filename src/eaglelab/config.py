@@ -58,6 +58,9 @@ class DataConfig:
     max_length: int = 1024  # prompt + response tokens; longer prompts are skipped and counted
     system_prompt: str | None = None  # None: the chat template's own default
     regen_batch_size: int = 32
+    # vllm: vLLM generates (~4x HF here), then one capture forward | hf: our KV-cache loop with capture
+    # fused in | auto: vllm when installed
+    regen_backend: str = "auto"
     seed: int = 0
 
 
@@ -82,11 +85,27 @@ class TrainConfig:
 
 
 @dataclass
+class VllmEvalConfig:
+    """Acceptance and speedup measured by vLLM on an evenly spaced subset of the held-out prompts."""
+
+    enabled: bool | None = None  # None: when vLLM is installed (else a warning); true: required
+    method: str = "eagle3"
+    num_prompts: int = 32  # acceptance sweep over k (the simulated evaluator reruns on the same subset)
+    ks: list[int] | None = None  # None: 1..max_k
+    throughput_ks: list[int] | None = None  # None: [ttt_steps]
+    concurrencies: list[int] = field(default_factory=lambda: [1, 4, 16])
+    throughput_prompts: int = 8  # prompts timed per concurrency c (at least 2c, at most num_prompts)
+    enforce_eager: bool | None = None  # None: eager on CPU (compiling takes minutes), graphs on GPU
+    timeout_s: int = 3600
+
+
+@dataclass
 class EvalConfig:
     prompts: str = "humaneval"  # humaneval | a data source string as in DataConfig.sources
     num_prompts: int | None = None  # None: all (164 for HumanEval)
     max_new_tokens: int = 96
     max_k: int | None = None  # None: 2·ttt_steps + 2
+    vllm: VllmEvalConfig = field(default_factory=VllmEvalConfig)
 
 
 @dataclass
@@ -110,6 +129,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    checkpoint: str | None = None  # set: evaluate this drafter (export dir, run dir or .ckpt), no training
     run_dir: str | None = None  # set by the entry point (Hydra's output dir)
 
 
@@ -166,6 +186,17 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("drafter.aux_layer_ids is empty; give target layer ids or null for the default")
     if not data.sources:
         raise ConfigError("data.sources is empty; e.g. data.sources=[stdlib_docstrings,pydoc_topics]")
+    if data.regen_backend not in ("auto", "hf", "vllm"):
+        raise ConfigError(f"data.regen_backend={data.regen_backend!r}; use auto, hf or vllm")
+    v = ev.vllm
+    if v.method not in ("eagle3",):
+        raise ConfigError(f"eval.vllm.method={v.method!r} is not a speculative method eaglelab exports; use eagle3")
+    lists = {"eval.vllm.ks": v.ks or [], "eval.vllm.throughput_ks": v.throughput_ks or [],
+             "eval.vllm.concurrencies": v.concurrencies, "eval.vllm.num_prompts": [v.num_prompts],
+             "eval.vllm.throughput_prompts": [v.throughput_prompts], "eval.vllm.timeout_s": [v.timeout_s]}
+    for key, values in lists.items():
+        if any(x < 1 for x in values):
+            raise ConfigError(f"{key} must hold values >= 1, got {values}")
     if cfg.logger.kind not in ("csv", "none"):
         raise ConfigError(f"logger.kind={cfg.logger.kind!r}; use csv or none")
 

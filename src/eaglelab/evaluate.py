@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -12,7 +15,8 @@ from eaglelab.training import FeatureDataset, acceptance_counts, collate
 
 
 @torch.no_grad()
-def evaluate_simulated(drafter: Eagle3Drafter, features, max_k: int, batch_size: int = 4) -> dict[int, AcceptanceCounts]:
+def evaluate_simulated(drafter: Eagle3Drafter, features, max_k: int,
+                       batch_size: int = 4) -> dict[int, AcceptanceCounts]:
     """τ and per-position acceptance for every k = 1..max_k over all sequences of `features`."""
     drafter.eval()
     data = FeatureDataset(features, list(range(len(features))), with_final=False)
@@ -31,3 +35,74 @@ def acceptance_rows(totals: dict[int, AcceptanceCounts], evaluator: str, suite: 
     by_pos = [{"suite": suite, "evaluator": evaluator, "k": k, "position": i + 1, "acceptance_rate": r}
               for k, c in sorted(totals.items()) for i, r in enumerate(c.per_position)]
     return by_k, by_pos
+
+
+# --- the serving engine's view of the same drafter -------------------------------------------------
+def evenly_spaced(n_total: int, n: int) -> list[int]:
+    """n indices spread over 0..n_total-1 (the cached sequences are in length order: a prefix would
+    be the shortest prompts only)."""
+    n = min(n, n_total)
+    return sorted({round(i * (n_total - 1) / max(n - 1, 1)) for i in range(n)})
+
+
+def counts_from(row: dict) -> AcceptanceCounts:
+    return AcceptanceCounts(k=row["k"], drafts=row["drafts"], accepted=row["accepted"],
+                            accepted_per_pos=row["accepted_per_pos"])
+
+
+@dataclass
+class VllmReport:
+    acceptance: list[dict]  # rows like acceptance_rows' by_k, evaluator "vllm"
+    per_position: list[dict]
+    parity: list[dict]  # k, τ_sim and τ_vLLM on the same prompts, relative difference
+    throughput: list[dict]  # method, k, concurrency, output tokens/s, speedup vs no speculation
+    metrics: dict
+
+
+def evaluate_in_vllm(drafter: Eagle3Drafter, drafter_dir: Path, target_path: Path, features, *, ks: list[int],
+                     throughput_ks: list[int], concurrencies: list[int], num_prompts: int, throughput_prompts: int,
+                     max_new_tokens: int, dtype: str, max_model_len: int, suite: str, workdir: Path,
+                     enforce_eager: bool | None = None, timeout: int = 3600) -> VllmReport:
+    """τ per k and decode speed in vLLM, and the simulated evaluator on exactly the same prompts."""
+    from eaglelab.vllm_engine import run_engine
+
+    idx = evenly_spaced(len(features), num_prompts)
+    subset = features.select(idx)
+    prompts = [list(map(int, ids[:p])) for ids, p in zip(subset["input_ids"], subset["prompt_len"])]
+    job = {"mode": "evaluate", "target": str(target_path), "drafter": str(drafter_dir), "prompts": prompts,
+           "max_tokens": max_new_tokens, "ks": ks, "throughput_ks": throughput_ks, "concurrencies": concurrencies,
+           "throughput_prompts": throughput_prompts, "dtype": dtype, "max_model_len": max_model_len,
+           "enforce_eager": enforce_eager,
+           "engines": len(ks) + (len(throughput_ks) + bool(throughput_ks)) * len(concurrencies)}
+    result = run_engine(job, workdir, timeout=timeout, desc="evaluate (vLLM)")
+
+    vllm_totals = {row["k"]: counts_from(row) for row in result["acceptance"]}
+    acc_rows, pos_rows = acceptance_rows(vllm_totals, evaluator="vllm", suite=suite)
+    sim_totals = evaluate_simulated(drafter, subset, max(ks)) if ks else {}
+    responses = [list(map(int, ids[p:])) for ids, p in zip(subset["input_ids"], subset["prompt_len"])]
+    parity, metrics = [], {}
+    for row in result["acceptance"]:
+        k = row["k"]
+        tau_sim, tau_vllm = sim_totals[k].acceptance_length, vllm_totals[k].acceptance_length
+        same = sum(o == r for o, r in zip(row["outputs"], responses)) / len(responses)
+        parity.append({"suite": suite, "k": k, "prompts": len(prompts), "tau_simulated": tau_sim,
+                       "tau_vllm": tau_vllm, "relative_difference": (tau_sim - tau_vllm) / tau_vllm,
+                       "drafts_simulated": sim_totals[k].drafts, "drafts_vllm": vllm_totals[k].drafts,
+                       "same_output_share": same})
+        metrics[f"vllm/acceptance_length@k{k}"] = tau_vllm
+        metrics[f"parity/relative_difference@k{k}"] = (tau_sim - tau_vllm) / tau_vllm
+    if parity:
+        metrics["parity/max_abs_relative_difference"] = max(abs(p["relative_difference"]) for p in parity)
+
+    baseline = {r["concurrency"]: r["output_tokens"] / r["seconds"]
+                for r in result["throughput"] if r["method"] == "none"}
+    throughput = []
+    for r in result["throughput"]:
+        tps = r["output_tokens"] / r["seconds"]
+        speedup = tps / baseline[r["concurrency"]]
+        throughput.append({**r, "output_tokens_per_s": tps, "per_user_tokens_per_s": tps / r["concurrency"],
+                           "speedup": speedup})
+        if r["method"] != "none":
+            metrics[f"vllm/speedup@k{r['k']}@c{r['concurrency']}"] = speedup
+        metrics[f"vllm/output_tokens_per_s@{r['method']}@k{r['k']}@c{r['concurrency']}"] = tps
+    return VllmReport(acc_rows, pos_rows, parity, throughput, metrics)

@@ -1,8 +1,16 @@
-"""Drafter checkpoints in vLLM's Eagle3 format: config.json + model.safetensors (FIELD_NOTES §2)."""
+"""Drafter checkpoints in vLLM's Eagle3 format: config.json + model.safetensors (FIELD_NOTES §2).
+
+Every training run writes one (`<run_dir>/drafter/`); any Lightning checkpoint can be exported later:
+
+    python -m eaglelab.export RUN_DIR_OR_CKPT OUT_DIR
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,7 +30,28 @@ def save_drafter(model: Eagle3Drafter, out: Path) -> Path:
     return out
 
 
-def load_drafter(path: Path, embed_tokens: torch.Tensor | None = None) -> Eagle3Drafter:
+def _build(path: Path, cfg: Eagle3Config, sd: dict, embed_tokens: torch.Tensor | None,
+           target: TargetShape | None = None) -> Eagle3Drafter:
+    if target is not None:  # before any weight is touched: a mismatch is the target's, not the file's
+        check_compatible(cfg, target, path)
+    model = Eagle3Drafter(cfg)
+    if "embed_tokens.weight" not in sd:
+        if embed_tokens is None:
+            raise EaglelabError(f"{path} has no embed_tokens; pass the target's embeddings")
+        sd["embed_tokens.weight"] = embed_tokens
+    try:
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+    except RuntimeError as e:  # shape mismatch
+        raise EaglelabError(f"{path}: weights do not fit its config ({str(e).splitlines()[1].strip()[:160]}); "
+                            "re-export the checkpoint") from None
+    if missing or unexpected:
+        raise EaglelabError(f"{path}: weights do not match its config.json (missing {missing[:3]}, "
+                            f"unexpected {unexpected[:3]}); re-export the checkpoint")
+    return model
+
+
+def load_drafter(path: Path, embed_tokens: torch.Tensor | None = None,
+                 target: TargetShape | None = None) -> Eagle3Drafter:
     """Load an Eagle3 checkpoint (EAGLE-3 or 3.1). `embed_tokens`: the target's, when not in the file."""
     path = Path(path)
     try:
@@ -33,13 +62,83 @@ def load_drafter(path: Path, embed_tokens: torch.Tensor | None = None) -> Eagle3
     except Exception as e:
         raise EaglelabError(f"cannot read drafter checkpoint {path} ({type(e).__name__}: "
                             f"{str(e).splitlines()[0][:120]}); re-export it") from None
-    model = Eagle3Drafter(cfg)
-    if "embed_tokens.weight" not in sd:
-        if embed_tokens is None:
-            raise EaglelabError(f"{path} has no embed_tokens; pass the target's embeddings")
-        sd["embed_tokens.weight"] = embed_tokens
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    if missing or unexpected:
-        raise EaglelabError(f"{path}: weights do not match its config.json (missing {missing[:3]}, "
-                            f"unexpected {unexpected[:3]}); re-export the checkpoint")
-    return model
+    return _build(path, cfg, sd, embed_tokens, target)
+
+
+def load_lightning(ckpt: Path, target: TargetShape | None = None) -> Eagle3Drafter:
+    """The drafter inside a Lightning checkpoint written by training (its hyper-parameters carry the
+    model config; the frozen target embeddings are in the state dict)."""
+    ckpt = Path(ckpt)
+    try:
+        state = torch.load(str(ckpt), map_location="cpu", weights_only=False)
+        cfg = Eagle3Config(**{**state["hyper_parameters"]["model"],
+                              "aux_layer_ids": tuple(state["hyper_parameters"]["model"]["aux_layer_ids"])})
+    except FileNotFoundError:
+        raise EaglelabError(f"{ckpt} does not exist; pass a run directory, a .ckpt or an exported drafter") from None
+    except Exception as e:
+        raise EaglelabError(f"cannot read Lightning checkpoint {ckpt} ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:120] if str(e) else 'no detail'}); it is not an eaglelab "
+                            "training checkpoint or it is truncated") from None
+    sd = {k[len("drafter."):]: v for k, v in state["state_dict"].items() if k.startswith("drafter.")}
+    return _build(ckpt, cfg, sd, None, target)
+
+
+def load_checkpoint(path: Path, embed_tokens: torch.Tensor | None = None,
+                    target: TargetShape | None = None) -> Eagle3Drafter:
+    """An exported drafter folder, a run directory (its `drafter/`, else its Lightning checkpoint) or a
+    .ckpt. With `target`, a drafter trained for another target is refused before its weights load."""
+    path = Path(path).expanduser()
+    if path.is_file():
+        return load_lightning(path, target)
+    if (path / "config.json").exists():
+        return load_drafter(path, embed_tokens, target)
+    if (path / "drafter" / "config.json").exists():
+        return load_drafter(path / "drafter", embed_tokens, target)
+    if (path / "lightning" / "last.ckpt").exists():
+        return load_lightning(path / "lightning" / "last.ckpt", target)
+    raise EaglelabError(f"{path} holds no drafter: expected an exported drafter (config.json + model.safetensors), "
+                        "a run directory or a Lightning .ckpt")
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    """What a drafter must agree on with its target."""
+
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+
+
+def check_compatible(cfg: Eagle3Config, target: TargetShape, where) -> None:
+    """A drafter drafts only for the target whose states it reads and whose vocabulary it emits."""
+    problems = []
+    if cfg.target_hidden_size != target.hidden_size:
+        problems.append(f"target hidden size {cfg.target_hidden_size} != {target.hidden_size}")
+    if cfg.vocab_size != target.vocab_size:
+        problems.append(f"vocab size {cfg.vocab_size} != {target.vocab_size}")
+    if max(cfg.aux_layer_ids) > target.num_layers:
+        problems.append(f"aux layer ids {list(cfg.aux_layer_ids)} exceed the target's {target.num_layers} layers")
+    if problems:
+        raise EaglelabError(f"{where} was trained for another target ({'; '.join(problems)}); "
+                            "choose the target it was trained on (target=…)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Export a drafter checkpoint in vLLM's Eagle3 format.")
+    ap.add_argument("checkpoint", help="a run directory, a Lightning .ckpt or an exported drafter folder")
+    ap.add_argument("out", help="output folder (config.json + model.safetensors)")
+    args = ap.parse_args(argv)
+    try:
+        if Path(args.out).exists():
+            raise EaglelabError(f"{args.out} exists; choose a new output folder")
+        model = load_checkpoint(Path(args.checkpoint))
+        save_drafter(model, Path(args.out))
+    except EaglelabError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported: {Path(args.out).resolve()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

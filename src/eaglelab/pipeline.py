@@ -21,16 +21,17 @@ from omegaconf import OmegaConf
 
 import eaglelab
 from eaglelab.config import RunConfig, max_k
-from eaglelab.data.prepare import prepare_features
+from eaglelab.data.prepare import PrepareStats, prepare_features
 from eaglelab.data.prompts import humaneval_prompts, load_source, mix_sources
 from eaglelab.data.vocab import draft_vocab
 from eaglelab.drafter import Eagle3Config
 from eaglelab.errors import ConfigError, EaglelabError
-from eaglelab.evaluate import acceptance_rows, evaluate_simulated
-from eaglelab.export import save_drafter
+from eaglelab.evaluate import acceptance_rows, evaluate_in_vllm, evaluate_simulated
+from eaglelab.export import TargetShape, load_checkpoint, save_drafter
 from eaglelab.io import atomic_write_json, atomic_write_text
-from eaglelab.plots import plot_acceptance
+from eaglelab.plots import plot_acceptance, plot_speedup
 from eaglelab.targets import load_target
+from eaglelab.vllm_engine import INSTALL_HINT, require_vllm, vllm_available
 
 log = logging.getLogger("eaglelab")
 
@@ -154,43 +155,105 @@ def _run(cfg: RunConfig, run_dir: Path, info: dict) -> dict:
     timer = StageTimer()
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
+    use_vllm = vllm_wanted(cfg)  # before any expensive work: a required but missing vLLM fails now
+    backend = regen_backend(cfg)
     with timer("convert"):
         target = load_target(cfg.target, cfg.paths.cache_dir)
-    model_cfg = build_model_config(cfg, target)
+    shared = target_tensors(target)
+    loaded = None
+    if cfg.checkpoint:  # evaluation only: the drafter (and its shape) come from the checkpoint
+        loaded = load_checkpoint(Path(cfg.checkpoint), shared["embed"].float(),
+                                 TargetShape(target.hidden_size, target.vocab_size, target.num_layers))
+        model_cfg = loaded.cfg
+        info["checkpoint"] = str(Path(cfg.checkpoint).resolve())
+    else:
+        model_cfg = build_model_config(cfg, target)
     info.update(target=target.fingerprint, target_path=str(target.path))
     resolved = OmegaConf.to_yaml(OmegaConf.create({**asdict(cfg), "resolved": {
         "aux_layer_ids": list(model_cfg.aux_layer_ids), "draft_vocab_size": model_cfg.draft_vocab_size,
         "target_num_layers": target.num_layers, "max_k": max_k(cfg)}}))
     atomic_write_text(run_dir / "config.yaml", resolved)
 
-    train_feats, eval_feats, data_metrics = prepare_data(cfg, target, model_cfg, timer)
-    shared = target_tensors(target)
+    train_feats, eval_feats, data_metrics = prepare_data(cfg, target, model_cfg, timer, backend,
+                                                           train=loaded is None)
+    serving = {"path": target.path, "max_model_len": target.max_context}
     del target  # the rest of the target is not needed past data preparation: free it before training
-    with timer("train"):
-        module, train_metrics = train_drafter(cfg, run_dir, model_cfg, shared, train_feats)
+    metrics: dict[str, float | int] = dict(data_metrics)
+    if loaded is None:
+        with timer("train"):
+            module, train_metrics = train_drafter(cfg, run_dir, model_cfg, shared, train_feats)
+        drafter = module.drafter
+        metrics.update(train_metrics)
+    else:
+        drafter = loaded
     with timer("export"):
-        save_drafter(module.drafter, run_dir / "drafter")
+        save_drafter(drafter, run_dir / "drafter")
     with timer("evaluate"):
-        totals = evaluate_simulated(module.drafter, eval_feats, max_k(cfg), batch_size=cfg.train.batch_size)
-    info["evaluator"] = "simulated"
-
+        totals = evaluate_simulated(drafter, eval_feats, max_k(cfg), batch_size=cfg.train.batch_size)
+    info["evaluator"] = "simulated+vllm" if use_vllm else "simulated"
     by_k, by_pos = acceptance_rows(totals, evaluator="simulated", suite=cfg.eval.prompts)
-    _write_csv(run_dir / "acceptance.csv", by_k)
-    _write_csv(run_dir / "per_position.csv", by_pos)
-    plot_acceptance(run_dir, f"{cfg.variant} (seed {cfg.train.seed})")
-    metrics: dict[str, float | int] = {}
     for row in by_k:
         metrics[f"acceptance_length@k{row['k']}"] = row["acceptance_length"]
     for row in by_pos:
         metrics[f"acceptance_rate@k{row['k']}@pos{row['position']}"] = row["acceptance_rate"]
-    metrics.update(train_metrics)
-    metrics.update(data_metrics)
+    # Written before vLLM runs: if the engine fails, the trained drafter and these tables stay.
+    _write_csv(run_dir / "acceptance.csv", by_k)
+    _write_csv(run_dir / "per_position.csv", by_pos)
+
+    if use_vllm:
+        with timer("evaluate_vllm"):
+            report = _evaluate_in_vllm(cfg, run_dir, drafter, serving, eval_feats)
+        by_k, by_pos = by_k + report.acceptance, by_pos + report.per_position
+        _write_csv(run_dir / "acceptance.csv", by_k)
+        _write_csv(run_dir / "per_position.csv", by_pos)
+        _write_csv(run_dir / "parity.csv", report.parity)
+        _write_csv(run_dir / "throughput.csv", report.throughput)
+        metrics.update(report.metrics)
+        if report.throughput:
+            plot_speedup(run_dir, f"{cfg.variant} (seed {cfg.train.seed})")
+    plot_acceptance(run_dir, f"{cfg.variant} (seed {cfg.train.seed})")
     timer.seconds["total"] = time.time() - info["started"]
     metrics.update({f"time/{k}_s": v for k, v in timer.seconds.items()})
     return metrics
 
 
-def prepare_data(cfg: RunConfig, target, model_cfg: Eagle3Config, timer: StageTimer):
+def vllm_wanted(cfg: RunConfig) -> bool:
+    enabled = cfg.eval.vllm.enabled
+    if enabled is False:
+        return False
+    if not vllm_available():
+        if enabled:
+            raise EaglelabError(INSTALL_HINT)
+        log.warning("vLLM is not installed: evaluating with the simulated evaluator only (%s)", INSTALL_HINT)
+        return False
+    return True
+
+
+def regen_backend(cfg: RunConfig) -> str:
+    backend = cfg.data.regen_backend
+    if backend == "auto":
+        return "vllm" if vllm_available() else "hf"
+    if backend == "vllm":
+        require_vllm()
+    return backend
+
+
+def _evaluate_in_vllm(cfg: RunConfig, run_dir: Path, drafter, serving: dict, eval_feats):
+    v, K = cfg.eval.vllm, max_k(cfg)
+    try:
+        return evaluate_in_vllm(
+            drafter, run_dir / "drafter", serving["path"], eval_feats, ks=v.ks or list(range(1, K + 1)),
+            throughput_ks=[cfg.train.ttt_steps] if v.throughput_ks is None else v.throughput_ks,
+            concurrencies=v.concurrencies, num_prompts=v.num_prompts, throughput_prompts=v.throughput_prompts,
+            max_new_tokens=cfg.eval.max_new_tokens, dtype=cfg.target.dtype, max_model_len=serving["max_model_len"],
+            suite=cfg.eval.prompts, workdir=run_dir / "vllm", enforce_eager=v.enforce_eager, timeout=v.timeout_s)
+    except EaglelabError as e:
+        raise EaglelabError(f"{e} — the drafter is kept in {run_dir / 'drafter'}; evaluate it again with "
+                            f"`python src/run.py checkpoint={run_dir}`") from None
+
+
+def prepare_data(cfg: RunConfig, target, model_cfg: Eagle3Config, timer: StageTimer, backend: str = "hf",
+                 train: bool = True):
     """Training prompts and held-out evaluation prompts (never overlapping), regenerated and captured."""
     eval_prompts = humaneval_prompts() if cfg.eval.prompts == "humaneval" else load_source(cfg.eval.prompts)
     eval_prompts = eval_prompts[: cfg.eval.num_prompts] if cfg.eval.num_prompts else eval_prompts
@@ -202,17 +265,20 @@ def prepare_data(cfg: RunConfig, target, model_cfg: Eagle3Config, timer: StageTi
     train_prompts = kept
     common = dict(cache_dir=cfg.paths.cache_dir, aux_layer_ids=list(model_cfg.aux_layer_ids),
                   system_prompt=cfg.data.system_prompt, max_length=cfg.data.max_length,
-                  batch_size=cfg.data.regen_batch_size)
-    train_feats, train_stats = prepare_features(target, train_prompts, name="train",
-                                                max_new_tokens=cfg.data.max_new_tokens,
-                                                val_fraction=cfg.data.val_fraction, **common)
+                  batch_size=cfg.data.regen_batch_size, backend=backend)
+    train_feats, train_stats = None, PrepareStats()
+    if train:
+        train_feats, train_stats = prepare_features(target, train_prompts, name="train",
+                                                    max_new_tokens=cfg.data.max_new_tokens,
+                                                    val_fraction=cfg.data.val_fraction, **common)
     eval_feats, eval_stats = prepare_features(target, eval_prompts, name="eval",
                                               max_new_tokens=cfg.eval.max_new_tokens, **common)
     for stage in ("regenerate", "capture"):
-        timer.seconds[stage] = train_stats.seconds[stage] + eval_stats.seconds[stage]
-    metrics = {"data/train_tokens": train_stats.tokens, "data/response_tokens": train_stats.response_tokens,
-               "data/skipped_too_long": train_stats.skipped_too_long + eval_stats.skipped_too_long,
+        timer.seconds[stage] = train_stats.seconds.get(stage, 0.0) + eval_stats.seconds[stage]
+    metrics = {"data/skipped_too_long": train_stats.skipped_too_long + eval_stats.skipped_too_long,
                "data/eval_sequences": len(eval_feats)}
+    if train:
+        metrics.update({"data/train_tokens": train_stats.tokens, "data/response_tokens": train_stats.response_tokens})
     return train_feats, eval_feats, metrics
 
 

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from eaglelab.data.capture import capture_batch
 from eaglelab.data.prompts import Messages, is_validation
-from eaglelab.data.regenerate import generate, template_prompt
+from eaglelab.data.regenerate import generate, generate_vllm, template_prompt
 from eaglelab.errors import DataError
 from eaglelab.io import atomic_dir, atomic_write_json, file_lock
 
@@ -76,7 +76,7 @@ def _load(path: Path) -> datasets.Dataset:
 def prepare_features(target, prompts: list[Messages], *, cache_dir: str | Path, name: str,
                      aux_layer_ids: list[int], system_prompt: str | None, max_new_tokens: int,
                      max_length: int, batch_size: int, val_fraction: float = 0.0,
-                     capture_batch_size: int = 4) -> tuple[datasets.Dataset, PrepareStats]:
+                     capture_batch_size: int = 4, backend: str = "hf") -> tuple[datasets.Dataset, PrepareStats]:
     cache_dir = Path(cache_dir).expanduser()
     stats = PrepareStats(prompts=len(prompts))
     limit = min(max_length, target.max_context)
@@ -101,7 +101,7 @@ def prepare_features(target, prompts: list[Messages], *, cache_dir: str | Path, 
     # 2-3. Regeneration by the target and capture of its states, each cached under its own key. When
     # neither entry exists, one pass does both (states come from the forward that generated them).
     regen_key = cache_key(v=CACHE_VERSION, target=target.fingerprint, prompts=templated, is_val=is_val,
-                          max_new_tokens=max_new_tokens, limit=limit, batch_size=batch_size, backend="hf")
+                          max_new_tokens=max_new_tokens, limit=limit, batch_size=batch_size, backend=backend)
     feat_key = cache_key(v=CACHE_VERSION, regen=regen_key, aux=list(aux_layer_ids))
     regen_dir, feat_dir = cache_dir / "regen" / regen_key, cache_dir / "features" / feat_key
     H = target.hidden_size
@@ -122,7 +122,15 @@ def prepare_features(target, prompts: list[Messages], *, cache_dir: str | Path, 
             file_lock(cache_dir / "locks" / f"features-{feat_key}.lock"):
         stats.regen_cached = (regen_dir / "data.arrow").exists()
         stats.capture_cached = (feat_dir / "data.arrow").exists()
-        if not stats.regen_cached:
+        if not stats.regen_cached and backend == "vllm":  # vLLM generates; a capture pass follows
+            responses, _ = generate_vllm(target, templated, max_new_tokens, limit,
+                                         cache_dir / "logs" / f"regen-{regen_key}")
+            _write(regen_dir, regen_features,
+                   ({"prompt_ids": p, "response_ids": r, "is_val": v}
+                    for p, r, v in zip(templated, responses, is_val)),
+                   {"name": name, "target": target.fingerprint, "n": len(templated), "backend": backend})
+            stats.seconds["regenerate"] = time.perf_counter() - t0
+        if not stats.regen_cached and backend == "hf":
             rows = list(generate(target, templated, max_new_tokens, limit, batch_size,
                                  capture_layers=None if stats.capture_cached else list(aux_layer_ids),
                                  desc=f"regenerate+capture {name}"))
@@ -134,13 +142,17 @@ def prepare_features(target, prompts: list[Messages], *, cache_dir: str | Path, 
                        (_feature_row(templated[i] + resp, len(templated[i]), is_val[i], cap) for i, resp, cap in rows),
                        feat_meta)
             del rows
-        elif not stats.capture_cached:  # new aux layers for an existing regeneration: a capture pass
+        if not stats.capture_cached and not (feat_dir / "data.arrow").exists():
+            # New aux layers for an existing regeneration, or vLLM's regeneration: a capture pass.
             _write(feat_dir, capture_features,
                    _capture_rows(target, _load(regen_dir), aux_layer_ids, capture_batch_size, name), feat_meta)
     # A fused pass counts as "regenerate" (capture inside it); a separate capture pass as "capture".
     elapsed = time.perf_counter() - t0
-    stats.seconds = {"regenerate": 0.0 if stats.regen_cached else elapsed,
-                     "capture": elapsed if stats.regen_cached else 0.0}
+    if backend == "vllm" and not stats.regen_cached:
+        stats.seconds["capture"] = elapsed - stats.seconds["regenerate"]
+    else:
+        stats.seconds = {"regenerate": 0.0 if stats.regen_cached else elapsed,
+                         "capture": elapsed if stats.regen_cached else 0.0}
     regen = _load(regen_dir)
     features = _load(feat_dir)
     stats.sequences = len(features)

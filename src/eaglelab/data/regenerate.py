@@ -108,3 +108,17 @@ def generate(target, prompt_ids: list[list[int]], max_new_tokens: int, max_lengt
                 yield i, responses[row], captured
             bar.update(B)
     bar.close()
+
+
+def generate_vllm(target, prompt_ids: list[list[int]], max_new_tokens: int, max_length: int,
+                  workdir) -> tuple[list[list[int]], float]:
+    """The same greedy continuations from vLLM (its own process; continuous batching of all prompts).
+    States are captured afterwards by one HF forward per batch of finished sequences.
+    Returns (responses, seconds spent generating, engine start excluded)."""
+    from eaglelab.vllm_engine import run_engine
+
+    budgets = [min(max_new_tokens, max_length - len(p)) for p in prompt_ids]
+    result = run_engine({"mode": "generate", "target": str(target.path), "prompts": prompt_ids, "max_tokens": budgets,
+                         "stop_token_ids": sorted(stop_ids(target)), "dtype": str(target.model.dtype).split(".")[-1],
+                         "max_model_len": max_length}, workdir, desc="regenerate (vLLM)")
+    return result["outputs"], result["seconds"]
