@@ -90,7 +90,7 @@ class VllmEvalConfig:
 
     enabled: bool | None = None  # None: when vLLM is installed (else a warning); true: required
     method: str = "eagle3"
-    num_prompts: int = 32  # acceptance sweep over k (the simulated evaluator reruns on the same subset)
+    num_prompts: int = 16  # acceptance sweep over k (the simulated evaluator reruns on the same subset)
     ks: list[int] | None = None  # None: 1..max_k
     throughput_ks: list[int] | None = None  # None: [ttt_steps]
     concurrencies: list[int] = field(default_factory=lambda: [1, 4, 16])
