@@ -1,9 +1,10 @@
 """Wall time of the default `python src/run.py`, split by stage, cold and warm cache.
 
-    python benchmarks/default_run.py [--runs cold,warm] [--json PATH] [-- extra overrides]
+    python benchmarks/default_run.py [--runs cold,warm] [--keep DIR] [--json PATH] [-- extra overrides]
 
 cold: a fresh cache directory (the GGUF conversion, regeneration and capture all run); warm: the same
 cache again (only training and evaluation run). Reads each run's `metrics.json` (`time/*_s`).
+`--keep DIR` keeps the run directories (and the cache) there instead of a temporary folder.
 """
 
 import argparse
@@ -21,10 +22,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", default="cold,warm")
     ap.add_argument("--json")
+    ap.add_argument("--keep", help="keep runs and cache in this folder")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     rows = {}
-    with tempfile.TemporaryDirectory(prefix="eaglelab-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="eaglelab-bench-") as scratch:
+        tmp = args.keep or scratch
         for kind in args.runs.split(","):
             proc = subprocess.run([sys.executable, str(ROOT / "src" / "run.py"), f"paths.cache_dir={tmp}/cache",
                                    f"paths.results_dir={tmp}/results", *args.overrides],

@@ -94,7 +94,7 @@ class VllmEvalConfig:
     ks: list[int] | None = None  # None: 1..max_k
     throughput_ks: list[int] | None = None  # None: [ttt_steps]
     concurrencies: list[int] = field(default_factory=lambda: [1, 4, 16])
-    throughput_prompts: int = 8  # prompts timed per concurrency c (at least 2c, at most num_prompts)
+    throughput_prompts: int = 4  # prompts timed per concurrency c (at least 2c, at most num_prompts)
     enforce_eager: bool | None = None  # None: eager on CPU (compiling takes minutes), graphs on GPU
     timeout_s: int = 3600
 

@@ -93,9 +93,11 @@ def shift(x: torch.Tensor, by: int, value=0) -> torch.Tensor:
 
 # --- acceptance from one unrolled forward -----------------------------------------------------
 @torch.no_grad()
-def acceptance_counts(drafter: Eagle3Drafter, batch: Batch, max_k: int) -> dict[int, AcceptanceCounts]:
-    """Simulated greedy-chain acceptance for every k <= max_k from one max_k-step unroll."""
-    outs = drafter.unroll(batch.aux, batch.input_ids, max_k, first=batch.first)
+def acceptance_counts(drafter: Eagle3Drafter, batch: Batch, max_k: int,
+                      outs: list | None = None) -> dict[int, AcceptanceCounts]:
+    """Simulated greedy-chain acceptance for every k <= max_k from one max_k-step unroll (`outs`, when
+    the caller already ran it)."""
+    outs = outs or drafter.unroll(batch.aux, batch.input_ids, max_k, first=batch.first)
     drafting = batch.drafting(0)  # verified positions t >= P-1 with x_{t+1} in the sequence
     drafts = torch.full((*batch.input_ids.shape, max_k), -1, dtype=torch.long)  # [B, T, K]
     for j, out in enumerate(outs):
@@ -124,10 +126,10 @@ class DrafterModule(L.LightningModule):
         self._val_counts: dict[int, AcceptanceCounts] = {}
         self._val_acc: list[list[float]] = []
 
-    def ttt(self, batch: Batch, steps: int):
+    def ttt(self, batch: Batch, steps: int, outs: list | None = None):
         """-> (weighted loss, [loss_j], [correct_j], [count_j]) over draft steps j = 1..steps."""
         d = self.drafter
-        outs = d.unroll(batch.aux, batch.input_ids, steps, first=batch.first)
+        outs = outs or d.unroll(batch.aux, batch.input_ids, steps, first=batch.first)
         target_to_draft = torch.cumsum(d.t2d.long(), 0) - 1  # target id -> draft index (if in vocab)
         total, losses, correct, counted = 0.0, [], [], []
         for j, out in enumerate(outs, start=1):
@@ -166,9 +168,10 @@ class DrafterModule(L.LightningModule):
 
     def validation_step(self, batch: Batch, batch_idx: int):
         steps = max(self.val_k)
-        _, _, correct, counted = self.ttt(batch, steps)
+        outs = self.drafter.unroll(batch.aux, batch.input_ids, steps, first=batch.first)  # one unroll for both
+        _, _, correct, counted = self.ttt(batch, steps, outs)
         self._val_acc.append([correct, counted])
-        counts = acceptance_counts(self.drafter, batch, steps)
+        counts = acceptance_counts(self.drafter, batch, steps, outs)
         for k in self.val_k:
             self._val_counts[k].add(counts[k])
 
