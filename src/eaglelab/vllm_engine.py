@@ -187,7 +187,7 @@ def engine_main(job: dict) -> dict:
 
     def throughput(method: str, k: int | None):
         for c in job["concurrencies"]:
-            timed = prompts[: max(job.get("throughput_prompts", 16), 2 * c)]
+            timed = prompts[: max(job["throughput_prompts"], 2 * c)]  # the caller sets it (eval.vllm)
             tokens, seconds = _throughput(job, k, c, timed)
             gc.collect()
             result["throughput"].append({"method": method, "k": k or 0, "concurrency": c, "prompts": len(timed),
