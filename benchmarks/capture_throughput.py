@@ -36,6 +36,9 @@ def main():
     ap.add_argument("--seqs", type=int, default=8)
     ap.add_argument("--len", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--prompt-share", type=float, default=0.5,
+                    help="share of each sequence that is prompt (capture computes labels only after it; "
+                         "the default run's data is ~0.5)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--gen-prompts", type=int, default=8)
     ap.add_argument("--gen-tokens", type=int, default=48)
@@ -55,7 +58,8 @@ def main():
 
     def capture():
         for i in range(0, len(seqs), args.batch):
-            for a, f, n in capture_batch(target, seqs[i: i + args.batch], aux):
+            batch = seqs[i: i + args.batch]
+            for a, f, n in capture_batch(target, batch, aux, [max(1, int(args.prompt_share * len(s))) for s in batch]):
                 bf16_bits(a), bf16_bits(f), n.tolist()
 
     prompts = [template_prompt(target.tokenizer, m, None) for m in humaneval_prompts()[: args.gen_prompts]]
@@ -88,7 +92,8 @@ def main():
         print(f"{k:18s} {v:24.0f}")
     for k, v in ratios.items():
         print(f"{k:28s} {v:.3f}")
-    print(f"({args.target}; forward: {args.seqs}x{args.len} tokens, batch {args.batch}; "
+    print(f"({args.target}; forward: {args.seqs}x{args.len} tokens, batch {args.batch}, prompt share "
+          f"{args.prompt_share}; "
           f"generate: {len(prompts)} HumanEval prompts x {args.gen_tokens} new tokens)")
     if args.json:
         Path(args.json).write_text(json.dumps({"tokens_per_s": med, "ratios": ratios, "args": vars(args)}, indent=2))

@@ -21,7 +21,8 @@ def test_smoke_run_writes_the_documented_layout(smoke_runs):
     run_dir, _ = smoke_runs
     for name in ("config.yaml", "run.json", "metrics.json", "acceptance.csv", "per_position.csv", "acceptance.png",
                  "drafter/config.json", "drafter/model.safetensors", "lightning/last.ckpt",
-                 "logs/metrics.csv"):
+                 "logs/metrics.csv", "suites/drift.csv", "suites/fc_balance.csv", "suites/drift.png",
+                 "suites/extrapolation.csv", "suites/extrapolation.png"):
         assert (run_dir / name).is_file(), name
     metrics = json.loads((run_dir / "metrics.json").read_text())
     info = json.loads((run_dir / "run.json").read_text())

@@ -86,9 +86,13 @@ def test_standalone_export_of_a_lightning_checkpoint(evaluated_run, tmp_path):
 
 
 def test_evaluate_a_checkpoint_on_its_own(evaluated_run, cache_dir, tmp_path):
-    """`python src/run.py checkpoint=RUN_DIR`: no training, the same numbers in a new run directory."""
-    proc = run_cli(["experiment=smoke", f"checkpoint={evaluated_run}", "eval.vllm.enabled=true",
-                    f"eval.vllm.ks=[{K}]", "eval.vllm.throughput_ks=[]"], cache_dir, tmp_path)
+    """`python src/run.py checkpoint=RUN_DIR +suite=all`: no training, the same numbers in a new run
+    directory, and the suites measured by vLLM too (one engine for all suite prompts, counters per group)."""
+    proc = run_cli(["experiment=smoke", f"checkpoint={evaluated_run}", "eval.vllm.enabled=true", "variant=other",
+                    f"eval.vllm.ks=[{K}]", "eval.vllm.throughput_ks=[]", "+suite=all",
+                    "eval.suites.long_context.lengths=[128,384]", "eval.suites.long_context.num_prompts=2",
+                    "eval.suites.templates.num_prompts=4", "eval.suites.templates.conditions=[native,no_template]"],
+                   cache_dir, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (new_dir,) = list(tmp_path.glob("runs/*"))
     before = json.loads((evaluated_run / "metrics.json").read_text())
@@ -97,6 +101,15 @@ def test_evaluate_a_checkpoint_on_its_own(evaluated_run, cache_dir, tmp_path):
     for k in range(1, 9):
         assert after[f"acceptance_length@k{k}"] == before[f"acceptance_length@k{k}"]
     assert after[f"vllm/acceptance_length@k{K}"] == before[f"vllm/acceptance_length@k{K}"]
+    assert json.loads((new_dir / "run.json").read_text())["variant"] == "eagle3.1"  # from the run evaluated
+    for suite, conditions in (("long_context", {"128", "384"}), ("templates", {"native", "no_template"})):
+        rows = read_csv(new_dir / "suites" / f"{suite}.csv")
+        by = {(r["condition"], r["evaluator"]): r for r in rows}
+        assert {c for c, _ in by} == conditions and {e for _, e in by} == {"simulated", "vllm"}
+        for condition in conditions:  # per-group vLLM counters agree with the simulated evaluator
+            sim, vllm = by[(condition, "simulated")], by[(condition, "vllm")]
+            assert float(vllm["same_output_share"]) == 1.0
+            assert float(sim["acceptance_length"]) == pytest.approx(float(vllm["acceptance_length"]), rel=0.03)
 
 
 # --- bad input ------------------------------------------------------------------------------------

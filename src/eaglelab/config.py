@@ -100,12 +100,61 @@ class VllmEvalConfig:
 
 
 @dataclass
+class ExtrapolationSuite:
+    """Train->inference extrapolation: τ and per-position acceptance for k = 1..max(8, 2·ttt_steps+2)
+    (off: k = 1..ttt_steps only). It is the main held-out evaluation, so it has no prompts of its own."""
+
+    enabled: bool = True
+
+
+@dataclass
+class LongContextSuite:
+    """Held-out prompts of `lengths` tokens built from standard-library source, a request at the end."""
+
+    enabled: bool = False
+    lengths: list[int] = field(default_factory=lambda: [512, 1024, 2048, 4096, 8192])  # clipped to the window
+    num_prompts: int = 4  # per length
+    max_new_tokens: int = 64
+
+
+@dataclass
+class TemplateSuite:
+    """The held-out prompts rendered under each condition (eaglelab.data.templates.CONDITIONS)."""
+
+    enabled: bool = False
+    conditions: list[str] = field(default_factory=lambda: [
+        "native", "no_template", "foreign_llama3", "foreign_mistral", "bos_on", "bos_off",
+        "system_empty", "system_long"])
+    num_prompts: int = 16
+    max_new_tokens: int = 64
+
+
+@dataclass
+class DriftSuite:
+    """Attention drift per draft depth, from the drafter's own attention and states (in-house)."""
+
+    enabled: bool = True
+    num_prompts: int = 16
+    recent_tokens: int = 8  # "most recent tokens": the last R keys by position, drafted ones included
+
+
+@dataclass
+class SuitesConfig:
+    extrapolation: ExtrapolationSuite = field(default_factory=ExtrapolationSuite)
+    long_context: LongContextSuite = field(default_factory=LongContextSuite)
+    templates: TemplateSuite = field(default_factory=TemplateSuite)
+    drift: DriftSuite = field(default_factory=DriftSuite)
+    ks: list[int] | None = None  # draft depths vLLM measures for long_context/templates; None: [ttt_steps]
+
+
+@dataclass
 class EvalConfig:
     prompts: str = "humaneval"  # humaneval | a data source string as in DataConfig.sources
     num_prompts: int | None = None  # None: all (164 for HumanEval)
     max_new_tokens: int = 96
-    max_k: int | None = None  # None: 2·ttt_steps + 2
+    max_k: int | None = None  # None: max(8, 2·ttt_steps + 2) (extrapolation suite), ttt_steps without it
     vllm: VllmEvalConfig = field(default_factory=VllmEvalConfig)
+    suites: SuitesConfig = field(default_factory=SuitesConfig)
 
 
 @dataclass
@@ -197,9 +246,38 @@ def validate(cfg: RunConfig) -> None:
     for key, values in lists.items():
         if any(x < 1 for x in values):
             raise ConfigError(f"{key} must hold values >= 1, got {values}")
+    s = ev.suites
+    suite_sizes = {"eval.suites.long_context.num_prompts": s.long_context.num_prompts,
+                   "eval.suites.long_context.max_new_tokens": s.long_context.max_new_tokens,
+                   "eval.suites.templates.num_prompts": s.templates.num_prompts,
+                   "eval.suites.templates.max_new_tokens": s.templates.max_new_tokens,
+                   "eval.suites.drift.num_prompts": s.drift.num_prompts,
+                   "eval.suites.drift.recent_tokens": s.drift.recent_tokens}
+    for key, value in suite_sizes.items():
+        if not value > 0:
+            raise ConfigError(f"{key} must be > 0, got {value}")
+    if not s.long_context.lengths or min(s.long_context.lengths) < 64:
+        raise ConfigError(f"eval.suites.long_context.lengths must be token counts >= 64, got {s.long_context.lengths}")
+    if any(k < 1 for k in s.ks or []):
+        raise ConfigError(f"eval.suites.ks must hold values >= 1, got {s.ks}")
+    from eaglelab.data.templates import CONDITIONS
+
+    unknown = [c for c in s.templates.conditions if c not in CONDITIONS]
+    if unknown or "native" not in s.templates.conditions:
+        raise ConfigError(f"eval.suites.templates.conditions: {unknown or 'native missing'}; choose from "
+                          f"{', '.join(CONDITIONS)} (native is the reference every ratio is taken against)")
     if cfg.logger.kind not in ("csv", "none"):
         raise ConfigError(f"logger.kind={cfg.logger.kind!r}; use csv or none")
 
 
 def max_k(cfg: RunConfig) -> int:
-    return cfg.eval.max_k or 2 * cfg.train.ttt_steps + 2
+    """Deepest draft the held-out evaluation measures: past the trained depth when extrapolating."""
+    if cfg.eval.max_k:
+        return cfg.eval.max_k
+    ttt = cfg.train.ttt_steps
+    return max(8, 2 * ttt + 2) if cfg.eval.suites.extrapolation.enabled else ttt
+
+
+def suite_ks(cfg: RunConfig) -> list[int]:
+    """Draft depths the long-context and template suites report (vLLM runs one engine per k)."""
+    return sorted(set(cfg.eval.suites.ks or [cfg.train.ttt_steps]))

@@ -11,11 +11,12 @@ it drafts here. Notation (per verified position t of a target with L layers, hid
     next step is fed  norm(o_t) if norm_output else o_t
 
 Each EAGLE-3.1 flag is a boolean that acts in exactly one place:
-    fc_norm              -> `Eagle3Drafter.fuse`          (one RMSNorm per aux state)
-    norm_before_fc       -> `Eagle3Drafter.fuse`          (one RMSNorm over the concatenation)
+    fc_norm              -> `Eagle3Drafter.fc_input`      (one RMSNorm per aux state)
+    norm_before_fc       -> `Eagle3Drafter.fc_input`      (one RMSNorm over the concatenation)
     norm_output          -> `Eagle3Drafter.feedback`      (which state the next step is fed)
     norm_before_residual -> `DecoderLayer.forward`        (residual is hidden_norm(g) instead of g)
-    attention_window     -> `context_mask`                (sliding window + kept sink tokens)
+    attention_window     -> `context_mask`                (sliding window + kept sink tokens; eaglelab
+                                                           only: vLLM's Eagle3 drafter has no such flag)
 Defaults of the EAGLE-3.1 fields are False in `from_vllm_config`, so EAGLE-3 checkpoints load.
 
 Training-time test (TTT) unrolls `steps` draft steps over a whole sequence at once. Step j (1-based)
@@ -188,6 +189,11 @@ def context_mask(q_pos: torch.Tensor, q_t: torch.Tensor, k_pos: torch.Tensor, wi
 
 
 class Attention(nn.Module):
+    # Queries are processed in blocks whose score tensor [B, h, block, T] holds at most this many
+    # elements: rows of a softmax are independent, so blocking changes nothing but peak memory (an 8k
+    # context would otherwise need B·h·T² floats, 2.4 GB at h = 9).
+    MAX_SCORES = 1 << 25
+
     def __init__(self, cfg: Eagle3Config, in_dim: int):
         super().__init__()
         self.cfg = cfg
@@ -196,6 +202,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(in_dim, kv * d, bias=False)
         self.v_proj = nn.Linear(in_dim, kv * d, bias=False)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        # Diagnostics hook (eaglelab.drift): called as probe(probs [B, h, Tq, T + j - 1], positions, query_t).
+        self.probe = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, query_t: torch.Tensor, cache: list) -> torch.Tensor:
         """Draft step j = len(cache) + 1 for queries x: [B, Tq, in_dim] at position ids `positions`
@@ -213,18 +221,31 @@ class Attention(nn.Module):
         k_ctx, v_ctx = cache[0]  # step-1 keys: the verified context (what the engine's KV cache holds)
         T = k_ctx.shape[2]
         k_ctx, v_ctx = k_ctx.repeat_interleave(rep, 1), v_ctx.repeat_interleave(rep, 1)
-        scale = 1.0 / math.sqrt(d)
-        mask = context_mask(positions, query_t, torch.arange(T, device=x.device), cfg.attention_window,
-                            cfg.attention_sink_tokens)  # [B, Tq, T]
-        scores = (q @ k_ctx.transpose(-1, -2)) * scale  # [B, h, Tq, T]
-        scores = scores.masked_fill(~mask[:, None], float("-inf"))
         # Steps 2..j at the same position t: one key each, a "diagonal" extension of the context.
-        diag = [(q * k_i.repeat_interleave(rep, 1)).sum(-1, keepdim=True) * scale for k_i, _ in cache[1:]]
-        probs = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1)  # [B, h, Tq, T + j - 1]
-        out = probs[..., :T] @ v_ctx
-        for i, (_, v_i) in enumerate(cache[1:]):
-            out = out + probs[..., T + i: T + i + 1] * v_i.repeat_interleave(rep, 1)
+        diag = [(k_i.repeat_interleave(rep, 1), v_i.repeat_interleave(rep, 1)) for k_i, v_i in cache[1:]]
+        block = max(1, self.MAX_SCORES // (B * h * T))
+        out = torch.cat([self._attend(q[:, :, s: s + block], k_ctx, v_ctx,
+                                      [(k_i[:, :, s: s + block], v_i[:, :, s: s + block]) for k_i, v_i in diag],
+                                      positions[:, s: s + block], query_t[:, s: s + block])
+                         for s in range(0, Tq, block)], dim=2)  # [B, h, Tq, d]
         return self.o_proj(out.transpose(1, 2).reshape(B, Tq, h * d))
+
+    def _attend(self, q, k_ctx, v_ctx, diag, positions, query_t):
+        """q: [B, h, tq, d] against the T context keys and the queries' own earlier drafts."""
+        cfg, T = self.cfg, k_ctx.shape[2]
+        scale = 1.0 / math.sqrt(cfg.head_dim)
+        mask = context_mask(positions, query_t, torch.arange(T, device=q.device), cfg.attention_window,
+                            cfg.attention_sink_tokens)  # [B, tq, T]
+        scores = (q @ k_ctx.transpose(-1, -2)) * scale  # [B, h, tq, T]
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
+        own = [(q * k_i).sum(-1, keepdim=True) * scale for k_i, _ in diag]
+        probs = torch.softmax(torch.cat([scores, *own], dim=-1), dim=-1)  # [B, h, tq, T + j - 1]
+        if self.probe is not None:
+            self.probe(probs, positions, query_t)
+        out = probs[..., :T] @ v_ctx
+        for i, (_, v_i) in enumerate(diag):
+            out = out + probs[..., T + i: T + i + 1] * v_i
+        return out
 
 
 class MLP(nn.Module):
@@ -314,14 +335,18 @@ class Eagle3Drafter(nn.Module):
     def draft_ids(self) -> torch.Tensor:
         return self.d2t + torch.arange(len(self.d2t), device=self.d2t.device)
 
-    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
-        """aux: [B, T, n_aux·H_t] captured target states -> g: [B, T, H]."""
+    def fc_input(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux: [B, T, n_aux·H_t] captured target states -> what fc reads (same shape)."""
         if self.cfg.norm_before_fc:
             aux = self.input_norm(aux)
         if self.cfg.fc_norm:
             chunks = aux.chunk(len(self.fc_norm), dim=-1)
             aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
-        return self.fc(aux)
+        return aux
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux: [B, T, n_aux·H_t] -> g: [B, T, H]."""
+        return self.fc(self.fc_input(aux))
 
     def feedback(self, prenorm: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
         """The state the next draft step is fed: EAGLE-3 feeds o_t, EAGLE-3.1 feeds norm(o_t)."""

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import csv
 import fcntl
+import io
 import json
 import os
 import shutil
@@ -46,6 +48,17 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def atomic_write_json(path: Path, obj) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    """A tidy table (one dict per row, the first row's keys as columns), written atomically."""
+    if not rows:
+        return
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(path, buf.getvalue())
 
 
 @contextlib.contextmanager

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import contextlib
-import csv
 import json
 import logging
 import platform
@@ -28,8 +27,9 @@ from eaglelab.drafter import Eagle3Config
 from eaglelab.errors import ConfigError, EaglelabError
 from eaglelab.evaluate import acceptance_rows, evaluate_in_vllm, evaluate_simulated
 from eaglelab.export import TargetShape, load_checkpoint, save_drafter
-from eaglelab.io import atomic_write_json, atomic_write_text
+from eaglelab.io import atomic_write_json, atomic_write_text, write_csv
 from eaglelab.plots import plot_acceptance, plot_speedup
+from eaglelab.suites import evaluate_suites, prepare_suites
 from eaglelab.targets import load_target
 from eaglelab.vllm_engine import INSTALL_HINT, require_vllm, vllm_available
 
@@ -95,18 +95,6 @@ def _init_from_target(module, shared: dict[str, torch.Tensor], draft_ids: torch.
     return head
 
 
-def _write_csv(path: Path, rows: list[dict]) -> None:
-    if not rows:
-        return
-    import io
-
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
-    atomic_write_text(path, buf.getvalue())
-
-
 def _trainer(cfg: RunConfig, run_dir: Path):
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -151,8 +139,27 @@ def run(cfg: RunConfig) -> Path:
     return run_dir
 
 
+def adopt_trained_settings(cfg: RunConfig) -> None:
+    """Evaluation of a run's drafter: take its variant, seed and ttt_steps from the run's config.yaml,
+    so the suites measure extrapolation from the depth it was trained at and the results are labelled
+    by what was trained (an exported folder elsewhere keeps the command line's values)."""
+    path = Path(cfg.checkpoint)
+    for candidate in (path, path.parent, path.parent.parent):
+        if (candidate / "config.yaml").is_file() and (candidate / "run.json").is_file():
+            trained = OmegaConf.load(candidate / "config.yaml")
+            cfg.variant = str(trained.get("variant", cfg.variant))
+            cfg.train.ttt_steps = int(trained.train.ttt_steps)
+            cfg.train.seed = int(trained.train.seed)
+            log.info("evaluating %s: variant %s, ttt_steps %d, seed %d (from its config.yaml)",
+                     candidate, cfg.variant, cfg.train.ttt_steps, cfg.train.seed)
+            return
+
+
 def _run(cfg: RunConfig, run_dir: Path, info: dict) -> dict:
     timer = StageTimer()
+    if cfg.checkpoint:
+        adopt_trained_settings(cfg)
+        info.update(variant=cfg.variant, seed=cfg.train.seed)
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     use_vllm = vllm_wanted(cfg)  # before any expensive work: a required but missing vLLM fails now
@@ -164,6 +171,9 @@ def _run(cfg: RunConfig, run_dir: Path, info: dict) -> dict:
     if cfg.checkpoint:  # evaluation only: the drafter (and its shape) come from the checkpoint
         loaded = load_checkpoint(Path(cfg.checkpoint), shared["embed"].float(),
                                  TargetShape(target.hidden_size, target.vocab_size, target.num_layers))
+        if cfg.drafter.attention_window is not None:  # a window at inference only: the long-context knob
+            loaded.cfg.attention_window = cfg.drafter.attention_window
+            loaded.cfg.attention_sink_tokens = cfg.drafter.attention_sink_tokens
         model_cfg = loaded.cfg
         info["checkpoint"] = str(Path(cfg.checkpoint).resolve())
     else:
@@ -174,8 +184,14 @@ def _run(cfg: RunConfig, run_dir: Path, info: dict) -> dict:
         "target_num_layers": target.num_layers, "max_k": max_k(cfg)}}))
     atomic_write_text(run_dir / "config.yaml", resolved)
 
-    train_feats, eval_feats, data_metrics = prepare_data(cfg, target, model_cfg, timer, backend,
-                                                           train=loaded is None)
+    if use_vllm and model_cfg.attention_window is not None:
+        # vLLM's Eagle3 drafter has no sliding window with kept sink tokens: its τ would be another drafter's.
+        log.warning("drafter.attention_window=%s cannot be expressed in vLLM: simulated evaluator only",
+                    model_cfg.attention_window)
+        info["vllm_skipped"] = "drafter.attention_window is not expressible in vLLM's Eagle3 drafter"
+        use_vllm = False
+    train_feats, eval_feats, suite_inputs, data_metrics = prepare_data(cfg, target, model_cfg, timer, backend,
+                                                                         train=loaded is None)
     serving = {"path": target.path, "max_model_len": target.max_context}
     del target  # the rest of the target is not needed past data preparation: free it before training
     metrics: dict[str, float | int] = dict(data_metrics)
@@ -197,21 +213,28 @@ def _run(cfg: RunConfig, run_dir: Path, info: dict) -> dict:
     for row in by_pos:
         metrics[f"acceptance_rate@k{row['k']}@pos{row['position']}"] = row["acceptance_rate"]
     # Written before vLLM runs: if the engine fails, the trained drafter and these tables stay.
-    _write_csv(run_dir / "acceptance.csv", by_k)
-    _write_csv(run_dir / "per_position.csv", by_pos)
+    write_csv(run_dir / "acceptance.csv", by_k)
+    write_csv(run_dir / "per_position.csv", by_pos)
 
     if use_vllm:
         with timer("evaluate_vllm"):
             report = _evaluate_in_vllm(cfg, run_dir, drafter, serving, eval_feats)
         by_k, by_pos = by_k + report.acceptance, by_pos + report.per_position
-        _write_csv(run_dir / "acceptance.csv", by_k)
-        _write_csv(run_dir / "per_position.csv", by_pos)
-        _write_csv(run_dir / "parity.csv", report.parity)
-        _write_csv(run_dir / "throughput.csv", report.throughput)
+        write_csv(run_dir / "acceptance.csv", by_k)
+        write_csv(run_dir / "per_position.csv", by_pos)
+        write_csv(run_dir / "parity.csv", report.parity)
+        write_csv(run_dir / "throughput.csv", report.throughput)
         metrics.update(report.metrics)
         if report.throughput:
             plot_speedup(run_dir, f"{cfg.variant} (seed {cfg.train.seed})")
     plot_acceptance(run_dir, f"{cfg.variant} (seed {cfg.train.seed})")
+    with timer("suites"):
+        try:
+            metrics.update(evaluate_suites(cfg, drafter, suite_inputs, eval_feats, by_k, run_dir,
+                                           serving if use_vllm else None))
+        except EaglelabError as e:
+            raise EaglelabError(f"{e} — the drafter is kept in {run_dir / 'drafter'}; evaluate it again with "
+                                f"`python src/run.py checkpoint={run_dir}`") from None
     timer.seconds["total"] = time.time() - info["started"]
     metrics.update({f"time/{k}_s": v for k, v in timer.seconds.items()})
     return metrics
@@ -275,11 +298,13 @@ def prepare_data(cfg: RunConfig, target, model_cfg: Eagle3Config, timer: StageTi
                                               max_new_tokens=cfg.eval.max_new_tokens, **common)
     for stage in ("regenerate", "capture"):
         timer.seconds[stage] = train_stats.seconds.get(stage, 0.0) + eval_stats.seconds[stage]
+    suite_inputs = prepare_suites(cfg, target, eval_prompts, common)
+    timer.seconds["prepare_suites"] = suite_inputs.seconds
     metrics = {"data/skipped_too_long": train_stats.skipped_too_long + eval_stats.skipped_too_long,
                "data/eval_sequences": len(eval_feats)}
     if train:
         metrics.update({"data/train_tokens": train_stats.tokens, "data/response_tokens": train_stats.response_tokens})
-    return train_feats, eval_feats, metrics
+    return train_feats, eval_feats, suite_inputs, metrics
 
 
 def train_drafter(cfg: RunConfig, run_dir: Path, model_cfg: Eagle3Config, shared: dict[str, torch.Tensor],

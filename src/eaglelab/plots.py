@@ -86,3 +86,99 @@ def plot_speedup(run_dir: Path, title: str) -> Path:
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
+
+
+# --- evaluation suites (run_dir/suites/) ------------------------------------------------------------
+def save_figure(fig, out: Path) -> Path:
+    """PNG to look at, PDF for the paper."""
+    fig.savefig(out, dpi=120)
+    fig.savefig(out.with_suffix(".pdf"))
+    plt.close(fig)
+    return out
+
+
+def plot_drift(suite_dir: Path, title: str) -> Path:
+    """drift.png: the attention-drift measures per draft depth, and the fc input balance."""
+    rows, balance = _read(suite_dir / "drift.csv"), _read(suite_dir / "fc_balance.csv")
+    depth = [int(r["depth"]) for r in rows]
+    col = lambda name: [float(r[name]) for r in rows]  # noqa: E731
+    fig, axes = plt.subplots(2, 3, figsize=(11, 6), constrained_layout=True)
+    panels = [("hidden_rms", "RMS of the state fed to step j", "hidden-state RMS (‖x‖/√d)"),
+              ("sink_share", "attention on the first token", "share of attention"),
+              ("recent_share", "attention on the most recent keys", "share of attention"),
+              ("context_share", "attention on verified context", "share of attention"),
+              ("entropy", "attention entropy", "entropy (nats)")]
+    for ax, (name, label, ylabel) in zip(axes.flat, panels):
+        ax.plot(depth, col(name), "o-", color=PALETTE[0])
+        ax.set(xlabel="draft depth j", ylabel=ylabel, title=label, xticks=depth)
+        if "share" in name:
+            ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    ax = axes.flat[5]
+    layers = [r["aux_layer"] for r in balance]
+    ax.bar(range(len(layers)), [float(r["input_share"]) for r in balance], color=PALETTE[1])
+    ax.axhline(1 / len(layers), color="grey", lw=1, ls="--", label="equal shares")
+    ax.set(xticks=range(len(layers)), xticklabels=[f"layer {x}" for x in layers], ylim=(0, 1),
+           ylabel="share of ‖fc input‖²", title="fc input balance per aux layer")
+    ax.legend(frameon=False, fontsize=8)
+    fig.suptitle(f"{title} — attention drift per draft depth (held-out prompts)", fontsize=10)
+    return save_figure(fig, suite_dir / "drift.png")
+
+
+def plot_extrapolation(run_dir: Path, suite_dir: Path, title: str) -> Path:
+    """extrapolation.png: τ(k)/τ(ttt_steps), and per-position acceptance at the deepest k."""
+    rows = _read(suite_dir / "extrapolation.csv")
+    ttt = int(rows[0]["ttt_steps"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.4), constrained_layout=True)
+    for evaluator, color, marker in (("simulated", PALETTE[0], "o-"), ("vllm", PALETTE[1], "s--")):
+        sel = [r for r in rows if r["evaluator"] == evaluator]
+        if sel:
+            ax1.plot([int(r["k"]) for r in sel], [float(r["relative_to_ttt"]) for r in sel], marker, color=color,
+                     label=evaluator)
+    for ax in (ax1, ax2):
+        ax.axvline(ttt, color="grey", lw=1, ls=":", label=f"trained depth (ttt_steps={ttt})")
+        ax.grid(alpha=0.3)
+    ax1.axhline(1.0, color="grey", lw=0.8)
+    ax1.set(xlabel="draft tokens per round k", ylabel="τ(k) / τ(ttt_steps)", title="τ relative to the trained depth")
+    ax1.legend(frameon=False, fontsize=8)
+    by_pos = [r for r in _read(run_dir / "per_position.csv") if r["evaluator"] == "simulated"]
+    deepest = max(int(r["k"]) for r in by_pos)
+    sel = [r for r in by_pos if int(r["k"]) == deepest]
+    ax2.plot([int(r["position"]) for r in sel], [float(r["acceptance_rate"]) for r in sel], "o-", color=PALETTE[2])
+    ax2.set(xlabel="draft position i", ylabel="share of rounds accepting draft i", ylim=(0, 1),
+            title=f"per-position acceptance at k={deepest} (simulated)", xticks=range(1, deepest + 1))
+    fig.suptitle(f"{title} — train→inference extrapolation", fontsize=10)
+    return save_figure(fig, suite_dir / "extrapolation.png")
+
+
+def plot_suite(suite_dir: Path, suite: str, title: str) -> Path:
+    """long_context.png: τ vs prompt length; templates.png: τ per condition with its ratio to native."""
+    rows = _read(suite_dir / f"{suite}.csv")
+    series = sorted({(r["evaluator"], int(r["k"])) for r in rows})
+    fig, ax = plt.subplots(figsize=(8 if suite == "templates" else 6, 3.6), constrained_layout=True)
+    if suite == "long_context":
+        for (evaluator, k), color in zip(series, PALETTE):
+            sel = [r for r in rows if (r["evaluator"], int(r["k"])) == (evaluator, k)]
+            ax.plot([float(r["prompt_tokens"]) for r in sel], [float(r["acceptance_length"]) for r in sel],
+                    "o-" if evaluator == "simulated" else "s--", color=color, label=f"{evaluator}, k={k}")
+        ax.set(xscale="log", xlabel="prompt length (tokens)", ylabel="acceptance length τ",
+               title="τ vs context length")
+        ticks = sorted({round(float(r["prompt_tokens"])) for r in rows})
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.minorticks_off()
+    else:
+        conditions = list(dict.fromkeys(r["condition"] for r in rows))
+        width = 0.8 / len(series)
+        for i, ((evaluator, k), color) in enumerate(zip(series, PALETTE)):
+            sel = {r["condition"]: r for r in rows if (r["evaluator"], int(r["k"])) == (evaluator, k)}
+            xs = [j + i * width for j in range(len(conditions))]
+            bars = ax.bar(xs, [float(sel[c]["acceptance_length"]) for c in conditions], width, color=color,
+                          label=f"{evaluator}, k={k}")
+            ax.bar_label(bars, [f"{float(sel[c]['ratio_to_native']):.2f}×" for c in conditions], fontsize=6)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(conditions))], conditions, rotation=30, ha="right")
+        ax.set(ylabel="acceptance length τ", title="τ per prompt condition (labels: ratio to native)")
+    ax.set_ylim(bottom=1.0)
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False, fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    return save_figure(fig, suite_dir / f"{suite}.png")

@@ -11,8 +11,9 @@ Jobs (JSON):
   {"mode": "generate", target, prompts, max_tokens (per prompt), stop_token_ids, dtype, max_model_len}
       -> {"outputs": [[ids]], "seconds", "output_tokens"}
   {"mode": "evaluate", target, drafter, prompts, max_tokens, ks, concurrencies, throughput_ks,
-   throughput_prompts, dtype, max_model_len}
-      -> {"acceptance": [{k, drafts, accepted, accepted_per_pos, outputs}],
+   throughput_prompts, dtype, max_model_len, groups (optional: {name: {prompts, max_tokens}} measured
+   separately instead of `prompts`)}
+      -> {"acceptance": [{group, k, drafts, accepted, accepted_per_pos, outputs}],
           "throughput": [{method, k, concurrency, prompts, output_tokens, seconds}]}
 Concurrency c means an engine with max_num_seqs = c and all requests submitted at once (continuous
 batching keeps c in flight, as `vllm bench serve --max-concurrency c` does).
@@ -155,11 +156,19 @@ def _throughput(job: dict, k: int | None, c: int, prompts) -> tuple[int, float]:
     return sum(len(o) for o in outs), time.perf_counter() - t0
 
 
-def _acceptance(job: dict, k: int) -> dict:
+def _acceptance(job: dict, k: int) -> list[dict]:
+    """Counters per prompt group at draft depth k, from one engine: vLLM's counters are cumulative, so
+    each group's share is the difference across its generate call."""
     llm = _engine(job, k)
-    outs = _generate(llm, job["prompts"], job["max_tokens"])
-    drafts, accepted, per_pos = _spec_counters(llm, k)
-    return {"k": k, "drafts": drafts, "accepted": accepted, "accepted_per_pos": per_pos, "outputs": outs}
+    groups = job.get("groups") or {"": {"prompts": job["prompts"], "max_tokens": job["max_tokens"]}}
+    rows, before = [], _spec_counters(llm, k)
+    for name, group in groups.items():
+        outs = _generate(llm, group["prompts"], group["max_tokens"])
+        after = _spec_counters(llm, k)
+        rows.append({"group": name, "k": k, "drafts": after[0] - before[0], "accepted": after[1] - before[1],
+                     "accepted_per_pos": [a - b for a, b in zip(after[2], before[2])], "outputs": outs})
+        before = after
+    return rows
 
 
 def _regenerate(job: dict) -> dict:
@@ -183,7 +192,7 @@ def engine_main(job: dict) -> dict:
         progress("generated")
         return result
 
-    prompts, result = job["prompts"], {"acceptance": [], "throughput": []}
+    prompts, result = job.get("prompts", []), {"acceptance": [], "throughput": []}
 
     def throughput(method: str, k: int | None):
         for c in job["concurrencies"]:
@@ -194,14 +203,16 @@ def engine_main(job: dict) -> dict:
                                          "output_tokens": tokens, "seconds": seconds})
             progress(f"{method} k={k or 0} c={c}: {tokens / seconds:.1f} tok/s")
 
+    job.setdefault("throughput_ks", [])
     if job["throughput_ks"]:
         throughput("none", None)  # the no-speculation baseline, same prompts, same process
     for k in sorted(set(job["ks"]) | set(job["throughput_ks"])):
         if k in job["ks"]:
-            row = _acceptance(job, k)
+            rows = _acceptance(job, k)
             gc.collect()
-            result["acceptance"].append(row)
-            progress(f"k={k}: tau={1 + row['accepted'] / max(row['drafts'], 1):.3f}")
+            result["acceptance"].extend(rows)
+            drafts, accepted = sum(r["drafts"] for r in rows), sum(r["accepted"] for r in rows)
+            progress(f"k={k}: tau={1 + accepted / max(drafts, 1):.3f}")
         if k in job["throughput_ks"]:
             throughput("eagle3", k)
     return result

@@ -76,7 +76,9 @@ def _load(path: Path) -> datasets.Dataset:
 def prepare_features(target, prompts: list[Messages], *, cache_dir: str | Path, name: str,
                      aux_layer_ids: list[int], system_prompt: str | None, max_new_tokens: int,
                      max_length: int, batch_size: int, val_fraction: float = 0.0,
-                     capture_batch_size: int = 4, backend: str = "hf") -> tuple[datasets.Dataset, PrepareStats]:
+                     capture_batch_size: int = 4, backend: str = "hf",
+                     render=None) -> tuple[datasets.Dataset, PrepareStats]:
+    """`render(tokenizer, messages) -> ids` replaces the native chat template (evaluation suites)."""
     cache_dir = Path(cache_dir).expanduser()
     stats = PrepareStats(prompts=len(prompts))
     limit = min(max_length, target.max_context)
@@ -84,7 +86,8 @@ def prepare_features(target, prompts: list[Messages], *, cache_dir: str | Path, 
     # 1. Prompts in the target's chat template; those that leave no room for a response are skipped.
     templated, is_val = [], []
     for messages in prompts:
-        ids = template_prompt(target.tokenizer, messages, system_prompt)
+        ids = (render(target.tokenizer, messages) if render
+               else template_prompt(target.tokenizer, messages, system_prompt))
         if len(ids) + 8 > limit:
             stats.skipped_too_long += 1
             continue
@@ -168,12 +171,25 @@ def _capture_rows(target, regen: datasets.Dataset, aux_layer_ids, batch_size: in
     prompt_lens = [len(p) for p in regen["prompt_ids"]]
     is_val = regen["is_val"]
     bar = tqdm(total=sum(len(s) for s in seqs), desc=f"capture {name}", unit="tok", leave=False)
-    for start in range(0, len(order), batch_size):
-        idx = order[start: start + batch_size]
-        for i, (aux, final, nxt) in zip(idx, capture_batch(target, [seqs[i] for i in idx], aux_layer_ids)):
+    for idx in _batches(order, [len(s) for s in seqs], batch_size):
+        captured = capture_batch(target, [seqs[i] for i in idx], aux_layer_ids, [prompt_lens[i] for i in idx])
+        for i, (aux, final, nxt) in zip(idx, captured):
             yield _feature_row(seqs[i], prompt_lens[i], is_val[i], {"aux": aux, "final": final, "target_next": nxt})
             bar.update(len(seqs[i]))
     bar.close()
+
+
+def _batches(order: list[int], lengths: list[int], batch_size: int, max_tokens: int = 8192):
+    """Consecutive groups of `order` with at most `batch_size` sequences and `max_tokens` padded tokens
+    (a batch of four 8k-token prompts would need ~3 GB of activations)."""
+    batch: list[int] = []
+    for i in order:
+        if batch and (len(batch) == batch_size or (len(batch) + 1) * max(lengths[j] for j in (*batch, i)) > max_tokens):
+            yield batch
+            batch = []
+        batch.append(i)
+    if batch:
+        yield batch
 
 
 def _feature_row(input_ids: list[int], prompt_len: int, is_val: bool, captured: dict) -> dict:

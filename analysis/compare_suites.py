@@ -1,0 +1,200 @@
+"""Drafter variants side by side on the evaluation suites, from run directories only.
+
+    python analysis/compare_suites.py RUN_DIR [RUN_DIR ...] --out DIR [--reference eagle3]
+
+Each run is labelled `<variant> ttt<ttt_steps>`. Writes to DIR:
+    suites_comparison.csv / .md   one row per run: τ at the trained depth, extrapolation, long-context and
+                                  template τ, drift at depth 1 and 8
+    ratios.csv / .md              τ(variant) / τ(reference) per long-context length and template condition,
+                                  for runs with the same ttt_steps (the 3.1/3 ratios of the paper)
+    drift.png, long_context.png, templates.png, extrapolation.png   (and .pdf)
+A directory without metrics.json (running, failed, interrupted) is named and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from eaglelab.plots import PALETTE, plt, save_figure  # noqa: E402  (the runs' own style and colour-blind palette)
+
+
+def read_csv(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def load_run(run_dir: Path) -> dict | None:
+    if not (run_dir / "metrics.json").is_file():
+        print(f"skipped {run_dir}: no metrics.json (not a finished run)", file=sys.stderr)
+        return None
+    info = json.loads((run_dir / "run.json").read_text())
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    suites = run_dir / "suites"
+    return {"dir": run_dir, "variant": info["variant"], "ttt": int(cfg["train"]["ttt_steps"]),
+            "label": f"{info['variant']} ttt{cfg['train']['ttt_steps']}",
+            "metrics": json.loads((run_dir / "metrics.json").read_text()),
+            **{name: read_csv(suites / f"{name}.csv") for name in
+               ("drift", "fc_balance", "extrapolation", "long_context", "templates")}}
+
+
+def preferred(rows: list[dict], k: int) -> dict[str, dict]:
+    """condition -> row at depth k, vLLM's when it measured the condition, else the simulated one."""
+    out = {}
+    for r in rows:
+        if int(r["k"]) == k and (r["condition"] not in out or r["evaluator"] == "vllm"):
+            out[r["condition"]] = r
+    return out
+
+
+def summary_row(run: dict) -> dict:
+    m, ttt = run["metrics"], run["ttt"]
+    row = {"run": run["label"], "dir": run["dir"].name, "tau@k_ttt": m.get(f"acceptance_length@k{ttt}")}
+    extra = {r["evaluator"]: r for r in run["extrapolation"] if int(r["k"]) == 2 * ttt}
+    row["tau(2ttt)/tau(ttt)"] = float(extra["simulated"]["relative_to_ttt"]) if "simulated" in extra else None
+    for cond, r in preferred(run["long_context"], ttt).items():
+        row[f"tau@{cond}tok"] = float(r["acceptance_length"])
+    for cond, r in preferred(run["templates"], ttt).items():
+        row[f"tau@{cond}"] = float(r["acceptance_length"])
+    for r in run["drift"]:
+        if int(r["depth"]) in (1, 8):
+            for name in ("hidden_rms", "sink_share", "recent_share", "context_share"):
+                row[f"{name}@d{r['depth']}"] = float(r[name])
+    return row
+
+
+def ratios(runs: list[dict], reference: str) -> list[dict]:
+    out = []
+    for run in runs:
+        ref = next((r for r in runs if r["variant"] == reference and r["ttt"] == run["ttt"]), None)
+        if ref is None or run is ref:
+            continue
+        for suite in ("long_context", "templates"):
+            mine, theirs = preferred(run[suite], run["ttt"]), preferred(ref[suite], ref["ttt"])
+            for cond in mine:
+                if cond in theirs and mine[cond]["evaluator"] == theirs[cond]["evaluator"]:
+                    a, b = float(mine[cond]["acceptance_length"]), float(theirs[cond]["acceptance_length"])
+                    out.append({"suite": suite, "condition": cond, "k": run["ttt"],
+                                "evaluator": mine[cond]["evaluator"], "run": run["label"],
+                                "reference": ref["label"], "tau": a, "tau_reference": b, "ratio": a / b})
+    return out
+
+
+def write_table(rows: list[dict], path: Path) -> None:
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path.with_suffix(".csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else ("" if v is None else str(v))  # noqa: E731
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(fmt(r.get(k)) for k in keys) + " |" for r in rows]
+    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+def plot_drift(runs: list[dict], out: Path) -> None:
+    panels = [("hidden_rms", "RMS of the state fed to step j", "RMS (‖x‖/√d)"),
+              ("sink_share", "attention on the first token", "share"),
+              ("recent_share", "attention on the most recent keys", "share"),
+              ("context_share", "attention on verified context", "share")]
+    fig, axes = plt.subplots(1, 4, figsize=(14, 3.4), constrained_layout=True)
+    for run, color in zip(runs, PALETTE):
+        depth = [int(r["depth"]) for r in run["drift"]]
+        for ax, (column, _, _) in zip(axes, panels):
+            ax.plot(depth, [float(r[column]) for r in run["drift"]], "o-", color=color, label=run["label"])
+    for ax, (_, title, ylabel) in zip(axes, panels):
+        ax.set(xlabel="draft depth j", ylabel=ylabel, title=title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(frameon=False, fontsize=8)
+    fig.suptitle("attention drift per draft depth (held-out prompts, in-house)", fontsize=10)
+    save_figure(fig, out / "drift.png")
+
+
+def plot_long_context(runs: list[dict], out: Path) -> None:
+    fig, ax = plt.subplots(figsize=(6, 3.6), constrained_layout=True)
+    for run, color in zip(runs, PALETTE):
+        rows = sorted(preferred(run["long_context"], run["ttt"]).values(), key=lambda r: float(r["prompt_tokens"]))
+        ax.plot([float(r["prompt_tokens"]) for r in rows], [float(r["acceptance_length"]) for r in rows], "o-",
+                color=color, label=f"{run['label']} ({rows[0]['evaluator']}, k={run['ttt']})")
+        ticks = [round(float(r["prompt_tokens"])) for r in rows]
+    ax.set(xscale="log", xlabel="prompt length (tokens)", ylabel="acceptance length τ", title="τ vs context length")
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False, fontsize=8)
+    save_figure(fig, out / "long_context.png")
+
+
+def plot_templates(runs: list[dict], out: Path) -> None:
+    conditions = list(dict.fromkeys(r["condition"] for run in runs for r in run["templates"]))
+    fig, ax = plt.subplots(figsize=(9, 3.8), constrained_layout=True)
+    width = 0.8 / len(runs)
+    for i, (run, color) in enumerate(zip(runs, PALETTE)):
+        rows = preferred(run["templates"], run["ttt"])
+        xs = [j + i * width for j in range(len(conditions))]
+        bars = ax.bar(xs, [float(rows[c]["acceptance_length"]) for c in conditions], width, color=color,
+                      label=f"{run['label']} (k={run['ttt']})")
+        ax.bar_label(bars, [f"{float(rows[c]['ratio_to_native']):.2f}" for c in conditions], fontsize=6)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(conditions))], conditions, rotation=30, ha="right")
+    ax.set(ylabel="acceptance length τ", title="τ per prompt condition (labels: ratio to native)")
+    ax.set_ylim(bottom=1.0)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(frameon=False, fontsize=8)
+    save_figure(fig, out / "templates.png")
+
+
+def plot_extrapolation(runs: list[dict], out: Path) -> None:
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6), constrained_layout=True)
+    for run, color in zip(runs, PALETTE):
+        rows = [r for r in run["extrapolation"] if r["evaluator"] == "simulated"]
+        ks = [int(r["k"]) for r in rows]
+        style = "o-" if run["ttt"] == max(r["ttt"] for r in runs) else "s--"
+        ax1.plot(ks, [float(r["acceptance_length"]) for r in rows], style, color=color, label=run["label"])
+        ax2.plot(ks, [float(r["relative_to_ttt"]) for r in rows], style, color=color, label=run["label"])
+    ax1.set(xlabel="draft tokens per round k", ylabel="acceptance length τ", title="τ vs k (simulated, exact)")
+    ax2.set(xlabel="draft tokens per round k", ylabel="τ(k) / τ(ttt_steps)", title="relative to the trained depth")
+    ax2.axhline(1.0, color="grey", lw=0.8)
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    ax1.legend(frameon=False, fontsize=8)
+    save_figure(fig, out / "extrapolation.png")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--reference", default="eagle3", help="variant every ratio is taken against")
+    args = ap.parse_args(argv)
+    runs = [r for r in map(load_run, args.runs) if r is not None]
+    if not runs:
+        print("error: no finished run among the given directories; pass run directories with metrics.json",
+              file=sys.stderr)
+        return 2
+    runs.sort(key=lambda r: (-r["ttt"], r["variant"]))
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_table([summary_row(r) for r in runs], args.out / "suites_comparison")
+    if rows := ratios(runs, args.reference):
+        write_table(rows, args.out / "ratios")
+    if all(r["drift"] for r in runs):
+        plot_drift(runs, args.out)
+    if all(r["long_context"] for r in runs):
+        plot_long_context(runs, args.out)
+    if all(r["templates"] for r in runs):
+        plot_templates(runs, args.out)
+    if all(r["extrapolation"] for r in runs):
+        plot_extrapolation(runs, args.out)
+    print((args.out / "suites_comparison.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Attention-drift diagnostics per draft depth, read from the drafter's own attention and states.
+
+For every draft the engine would make (verified position t >= P-1, draft j = 1..K inside the
+sequence) on held-out sequences, teacher-forced as in the simulated evaluator:
+
+    hidden_rms      RMS (‖x‖₂/√d) of the state fed to step j: g_t = fc(...) for j = 1, the previous
+                    step's feedback (o or norm(o), the `norm_output` flag) for j >= 2
+    sink_share      attention on position 0 (the first token), averaged over heads and layers
+    context_share   attention on verified context positions (<= t); the rest goes to the query's own
+                    drafted positions (draft_share = 1 - context_share)
+    recent_share    attention on the R most recent keys by position id (drafted ones included)
+    entropy         attention entropy in nats
+and, once per drafter, the fc input balance: each aux layer's share of the squared norm of what fc
+reads (the claim is that without `fc_norm` the high layers dominate).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+import torch
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from eaglelab.drafter import Eagle3Drafter
+from eaglelab.training import Batch, FeatureDataset, collate
+
+MEASURES = ("hidden_rms", "sink_share", "context_share", "draft_share", "recent_share", "entropy")
+
+
+class _Accumulator:
+    """Sums of per-query measures per depth, restricted to the drafts an engine would make."""
+
+    def __init__(self, recent: int):
+        self.recent = recent
+        self.sums: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.counts: dict[tuple[int, str], int] = defaultdict(int)
+        self.batch: Batch | None = None
+
+    def valid(self, query_t: torch.Tensor, j: int) -> torch.Tensor:
+        b = self.batch
+        return (query_t >= b.first[:, None]) & (query_t + j + 1 < b.seq_len[:, None])  # [B, tq]
+
+    def add(self, j: int, name: str, values: torch.Tensor, valid: torch.Tensor) -> None:
+        """values: [B, tq] (or [B, heads, tq], averaged over heads)."""
+        if values.dim() == 3:
+            values = values.mean(1)
+        self.sums[j][name] += float(values[valid].double().sum())
+        self.counts[(j, name)] += int(valid.sum())
+
+    def probe(self, probs: torch.Tensor, positions: torch.Tensor, query_t: torch.Tensor) -> None:
+        """probs: [B, h, tq, T + j - 1] of one layer at draft step j."""
+        j = int(positions[0, 0] - query_t[0, 0]) + 1  # step j sits at position id t + j - 1
+        T = probs.shape[-1] - (j - 1)  # context keys; then the drafted keys at position ids t+1..t+j-1
+        valid = self.valid(query_t, j)
+        p = probs.float()
+        ctx, own = p[..., :T], p[..., T:]
+        recent_ctx = torch.arange(T, device=p.device) > (positions[..., None] - self.recent)  # [B, tq, T]
+        own_recent = own[..., max(own.shape[-1] - self.recent, 0):]  # drafted keys are the most recent ones
+        self.add(j, "sink_share", ctx[..., 0], valid)
+        self.add(j, "context_share", ctx.sum(-1), valid)
+        self.add(j, "draft_share", own.sum(-1), valid)
+        self.add(j, "recent_share", (ctx * recent_ctx[:, None]).sum(-1) + own_recent.sum(-1), valid)
+        self.add(j, "entropy", -(p * torch.log(p.clamp_min(1e-30))).sum(-1), valid)
+
+    def mean(self, j: int, name: str) -> float:
+        return self.sums[j][name] / max(self.counts[(j, name)], 1)
+
+
+@contextlib.contextmanager
+def _probing(drafter: Eagle3Drafter, probe):
+    for layer in drafter.layers:
+        layer.self_attn.probe = probe
+    try:
+        yield
+    finally:
+        for layer in drafter.layers:
+            layer.self_attn.probe = None
+
+
+@torch.no_grad()
+def drift_diagnostics(drafter: Eagle3Drafter, features, depth: int, recent_tokens: int = 8,
+                      batch_size: int = 2) -> tuple[list[dict], list[dict]]:
+    """-> (rows per depth j = 1..depth with MEASURES, rows per aux layer with its fc input share)."""
+    drafter.eval()
+    acc = _Accumulator(recent_tokens)
+    n_aux = len(drafter.cfg.aux_layer_ids)
+    energy = torch.zeros(n_aux, dtype=torch.float64)
+    data = FeatureDataset(features, list(range(len(features))), with_final=False)
+    with _probing(drafter, acc.probe):
+        for batch in tqdm(DataLoader(data, batch_size=batch_size, collate_fn=collate), desc="drift diagnostics",
+                          leave=False):
+            acc.batch = batch
+            B, T = batch.input_ids.shape
+            every = torch.arange(T).expand(B, T)
+            fc_in = drafter.fc_input(batch.aux)  # [B, T, n_aux·H_t]
+            mask = acc.valid(every, 1)
+            energy += torch.stack([c[mask].double().pow(2).sum() for c in fc_in.chunk(n_aux, dim=-1)])
+            outs = drafter.unroll(batch.aux, batch.input_ids, depth, first=batch.first)
+            fed = [drafter.fc(fc_in)] + [o.hidden for o in outs[:-1]]  # state fed to step j = 1..depth
+            for j, x in enumerate(fed, start=1):
+                rms = x.float().pow(2).mean(-1).sqrt()  # [B, T]
+                acc.add(j, "hidden_rms", rms, acc.valid(every, j))
+    per_depth = [{"depth": j, **{m: acc.mean(j, m) for m in MEASURES}, "drafts": acc.counts[(j, "hidden_rms")]}
+                 for j in range(1, depth + 1)]
+    share = (energy / energy.sum()).tolist()
+    fc_balance = [{"aux_layer": layer, "input_share": s} for layer, s in zip(drafter.cfg.aux_layer_ids, share)]
+    return per_depth, fc_balance

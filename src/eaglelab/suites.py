@@ -1,0 +1,182 @@
+"""Evaluation suites: where EAGLE-3 is said to degrade and EAGLE-3.1 to hold (FIELD_NOTES §3).
+
+    extrapolation  τ and per-position acceptance past the trained depth, k = 1..max(8, 2·ttt+2)
+    long_context   τ on prompts of 0.5k..8k tokens (standard-library source, a request at the end)
+    templates      τ under each prompt condition (eaglelab.data.templates), and its ratio to native
+    drift          attention-drift diagnostics per draft depth (eaglelab.drift)
+
+Suite prompts are prepared with the training data (the target regenerates under each condition; the
+cache is shared by every drafter of that target), then each drafter is measured by both evaluators:
+the in-house simulated one always, vLLM whenever it is installed and can express the drafter (it has
+no sliding-window flag for Eagle3 drafters). Every table says which evaluator produced each row.
+Results go to `run_dir/suites/` (CSV + PNG/PDF).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eaglelab.config import RunConfig, max_k, suite_ks
+from eaglelab.data.long_context import long_context_prompts
+from eaglelab.data.prepare import prepare_features
+from eaglelab.data.templates import renderer
+from eaglelab.drift import drift_diagnostics
+from eaglelab.evaluate import counts_from, evaluate_simulated, evenly_spaced
+from eaglelab.io import write_csv
+
+log = logging.getLogger("eaglelab")
+
+
+@dataclass
+class SuiteInputs:
+    """Captured held-out sequences per suite condition (prepared while the target is loaded)."""
+
+    long_context: dict[int, object] = field(default_factory=dict)  # nominal length -> features
+    templates: dict[str, object] = field(default_factory=dict)  # condition -> features
+    same_as: dict[str, str] = field(default_factory=dict)  # condition -> condition it renders identically
+    seconds: float = 0.0
+
+
+def prepare_suites(cfg: RunConfig, target, eval_prompts: list, common: dict) -> SuiteInputs:
+    """Regenerate and capture the long-context and template prompts (cached like training data)."""
+    s, out = cfg.eval.suites, SuiteInputs()
+    native = renderer("native", cfg.data.system_prompt)
+    if s.long_context.enabled:
+        lc = s.long_context
+        room = target.max_context - lc.max_new_tokens - 8  # prompt + answer inside the target's window
+        for length in sorted(set(lc.lengths)):
+            if length > room:
+                log.warning("long_context: %d-token prompts clipped to %d (the target's window is %d)",
+                            length, room, target.max_context)
+            prompts = long_context_prompts(target.tokenizer, native, min(length, room), lc.num_prompts)
+            feats, stats = prepare_features(
+                target, prompts, name=f"long_context-{length}", max_new_tokens=lc.max_new_tokens,
+                **{**common, "max_length": target.max_context, "batch_size": min(common["batch_size"], lc.num_prompts)})
+            out.long_context[length] = feats
+            out.seconds += sum(stats.seconds.values())
+    if s.templates.enabled:
+        tp = s.templates
+        prompts = [eval_prompts[i] for i in evenly_spaced(len(eval_prompts), tp.num_prompts)]
+        rendered = {}
+        for condition in tp.conditions:
+            render = renderer(condition, cfg.data.system_prompt)
+            ids = [render(target.tokenizer, m) for m in prompts]
+            twin = next((c for c, other in rendered.items() if other == ids), None)
+            if twin:  # e.g. bos_on under a template that already starts with BoS: same prompts, same τ
+                out.same_as[condition] = twin
+                continue
+            rendered[condition] = ids
+            feats, stats = prepare_features(target, prompts, name=f"templates-{condition}",
+                                            max_new_tokens=tp.max_new_tokens, render=render,
+                                            **{**common, "max_length": target.max_context})
+            out.templates[condition] = feats
+            out.seconds += sum(stats.seconds.values())
+    return out
+
+
+def _prompts(features) -> list[list[int]]:
+    return [list(map(int, ids[:p])) for ids, p in zip(features["input_ids"], features["prompt_len"])]
+
+
+def _responses(features) -> list[list[int]]:
+    return [list(map(int, ids[p:])) for ids, p in zip(features["input_ids"], features["prompt_len"])]
+
+
+def _rows(suite: str, groups: dict[str, object], drafter, cfg: RunConfig, vllm_rows: dict) -> list[dict]:
+    """τ per condition: simulated for every k <= max(suite ks), vLLM at the suite ks when measured."""
+    ks = suite_ks(cfg)
+    rows = []
+    for condition, feats in groups.items():
+        tokens = sum(feats["prompt_len"]) / len(feats)
+        sim = evaluate_simulated(drafter, feats, max(ks), batch_size=cfg.train.batch_size)
+        measured = [("simulated", k, sim[k], None) for k in ks]
+        for k in ks:
+            if (row := vllm_rows.get((f"{suite}/{condition}", k))) is not None:
+                same = sum(o == r for o, r in zip(row["outputs"], _responses(feats))) / len(feats)
+                measured.append(("vllm", k, counts_from(row), same))
+        for evaluator, k, counts, same in measured:
+            rows.append({"suite": suite, "condition": condition, "evaluator": evaluator, "k": k,
+                         "prompts": len(feats), "prompt_tokens": round(tokens, 1),
+                         "acceptance_length": counts.acceptance_length, "drafts": counts.drafts,
+                         "accepted": counts.accepted, "same_output_share": same})
+    return rows
+
+
+def _vllm_groups(inputs: SuiteInputs, cfg: RunConfig) -> dict:
+    s = cfg.eval.suites
+    groups = {f"long_context/{n}": {"prompts": _prompts(f), "max_tokens": s.long_context.max_new_tokens}
+              for n, f in inputs.long_context.items()}
+    groups.update({f"templates/{c}": {"prompts": _prompts(f), "max_tokens": s.templates.max_new_tokens}
+                   for c, f in inputs.templates.items()})
+    return groups
+
+
+def evaluate_suites(cfg: RunConfig, drafter, inputs: SuiteInputs, eval_feats, by_k: list[dict], run_dir: Path,
+                    serving: dict | None) -> dict:
+    """Run the enabled suites on `drafter`; `serving` (target path, window) when vLLM should measure too.
+    Returns flat metrics; tables and plots are written to run_dir/suites/."""
+    from eaglelab.plots import plot_drift, plot_extrapolation, plot_suite
+
+    s, out_dir, metrics = cfg.eval.suites, run_dir / "suites", {}
+    if s.drift.enabled:
+        subset = eval_feats.select(evenly_spaced(len(eval_feats), s.drift.num_prompts))
+        per_depth, balance = drift_diagnostics(drafter, subset, max_k(cfg), s.drift.recent_tokens,
+                                               batch_size=cfg.train.batch_size)
+        write_csv(out_dir / "drift.csv", per_depth)
+        write_csv(out_dir / "fc_balance.csv", balance)
+        for row in per_depth:
+            metrics.update({f"drift/{m}@d{row['depth']}": v for m, v in row.items() if m not in ("depth", "drafts")})
+        metrics.update({f"drift/fc_input_share@layer{r['aux_layer']}": r["input_share"] for r in balance})
+        plot_drift(out_dir, cfg.variant)
+    if s.extrapolation.enabled:
+        ttt = cfg.train.ttt_steps
+        rows = []
+        for evaluator in ("simulated", "vllm"):
+            tau = {int(r["k"]): r["acceptance_length"] for r in by_k if r["evaluator"] == evaluator}
+            if ttt not in tau:
+                continue
+            rows += [{"evaluator": evaluator, "k": k, "ttt_steps": ttt, "acceptance_length": t,
+                      "relative_to_ttt": t / tau[ttt]} for k, t in sorted(tau.items())]
+            if 2 * ttt in tau:
+                metrics[f"extrapolation/{evaluator}/tau_ratio@k{2 * ttt}_vs_k{ttt}"] = tau[2 * ttt] / tau[ttt]
+        write_csv(out_dir / "extrapolation.csv", rows)
+        if rows:
+            plot_extrapolation(run_dir, out_dir, cfg.variant)
+
+    if not (inputs.long_context or inputs.templates):
+        return metrics
+    vllm_rows = {}
+    if serving is not None:
+        from eaglelab.vllm_engine import run_engine
+
+        v = cfg.eval.vllm
+        job = {"mode": "evaluate", "target": str(serving["path"]), "drafter": str(run_dir / "drafter"),
+               "groups": _vllm_groups(inputs, cfg), "ks": suite_ks(cfg), "throughput_ks": [], "concurrencies": [],
+               "dtype": cfg.target.dtype, "max_model_len": serving["max_model_len"],
+               "enforce_eager": v.enforce_eager, "engines": len(suite_ks(cfg))}
+        result = run_engine(job, out_dir / "vllm", timeout=v.timeout_s, desc="suites (vLLM)")
+        vllm_rows = {(r["group"], r["k"]): r for r in result["acceptance"]}
+    for suite, groups in (("long_context", inputs.long_context), ("templates", inputs.templates)):
+        if not groups:
+            continue
+        rows = _rows(suite, {str(c): f for c, f in groups.items()}, drafter, cfg, vllm_rows)
+        if suite == "templates":
+            for r in rows:
+                r["same_as"] = ""
+            rows += [{**r, "condition": cond, "same_as": ref}  # measured once, reported under both names
+                     for cond, ref in inputs.same_as.items() for r in rows if r["condition"] == ref]
+            native = {(r["evaluator"], r["k"]): r["acceptance_length"] for r in rows if r["condition"] == "native"}
+            for r in rows:
+                r["ratio_to_native"] = r["acceptance_length"] / native[(r["evaluator"], r["k"])]
+        write_csv(out_dir / f"{suite}.csv", rows)
+        best = "vllm" if any(r["evaluator"] == "vllm" for r in rows) else "simulated"
+        for r in rows:
+            if r["evaluator"] == best:
+                metrics[f"{suite}/acceptance_length@{r['condition']}@k{r['k']}"] = r["acceptance_length"]
+                if "ratio_to_native" in r:
+                    metrics[f"{suite}/ratio_to_native@{r['condition']}@k{r['k']}"] = r["ratio_to_native"]
+        plot_suite(out_dir, suite, cfg.variant)
+    return metrics
+

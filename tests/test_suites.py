@@ -1,0 +1,150 @@
+"""Evaluation suites: prompt conditions, long-context prompts, drift diagnostics by their definitions,
+and the suites on a run (the vLLM side is in tests/test_vllm.py::test_evaluate_a_checkpoint_on_its_own)."""
+
+import csv
+import json
+
+import pytest
+import torch
+
+from conftest import compose
+from eaglelab.data.long_context import long_context_prompts
+from eaglelab.data.templates import CONDITIONS, renderer
+from eaglelab.drafter import Attention
+from eaglelab.drift import drift_diagnostics
+from eaglelab.pipeline import run
+from test_drafter import random_drafter, small_config
+
+MESSAGES = [{"role": "user", "content": "Write a Python function that reverses a list."}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from eaglelab.targets import smollm2_gguf_path
+
+    gguf = smollm2_gguf_path()
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def test_each_template_condition_renders_what_it_says(tokenizer):
+    ids = {c: renderer(c, None)(tokenizer, MESSAGES) for c in CONDITIONS}
+    text = {c: tokenizer.decode(v) for c, v in ids.items()}
+    bos = tokenizer.bos_token_id
+    assert ids["native"][0] == bos and "You are a helpful AI assistant" in text["native"]
+    assert ids["bos_on"] == ids["native"]  # SmolLM2's template already starts with its BoS
+    assert ids["bos_off"] == ids["native"][1:]
+    assert text["no_template"] == MESSAGES[0]["content"]
+    assert "[INST]" in text["foreign_mistral"] and "<|start_header_id|>" in text["foreign_llama3"]
+    assert bos not in ids["foreign_mistral"] + ids["foreign_llama3"]  # written as text: no native control tokens
+    assert "system\n<|im_end|>" in text["system_empty"]
+    assert "harbour master" in text["system_long"] and len(ids["system_long"]) > len(ids["native"]) + 200
+    assert all(MESSAGES[0]["content"] in t for t in text.values())
+
+
+@pytest.mark.parametrize("length", [512, 2048])
+def test_long_context_prompts_have_the_requested_length(tokenizer, length):
+    render = renderer("native", None)
+    prompts = long_context_prompts(tokenizer, render, length, 3)
+    lengths = [len(render(tokenizer, p)) for p in prompts]
+    assert all(length - 8 <= n <= length for n in lengths), lengths
+    assert len({p[0]["content"][:200] for p in prompts}) == 3  # three different modules
+
+
+def test_query_blocking_changes_nothing(monkeypatch):
+    """Long contexts attend in query blocks; the result must be the one-block result."""
+    model = random_drafter(small_config())
+    torch.manual_seed(0)
+    aux, ids = torch.randn(2, 40, 144, dtype=torch.float64), torch.randint(0, 50, (2, 40))
+    first = torch.tensor([5, 11])
+    with torch.no_grad():
+        whole = model.unroll(aux, ids, 4, first=first)
+        monkeypatch.setattr(Attention, "MAX_SCORES", 7 * 4 * 40)  # blocks of 3-7 queries
+        blocked = model.unroll(aux, ids, 4, first=first)
+    for a, b in zip(whole, blocked):
+        assert torch.equal(a.normed, b.normed)
+
+
+def features_for(model, n=3, T=24, seed=0):
+    """Captured-feature rows (the cache's format) with random aux states of very different scales."""
+    import datasets
+
+    from eaglelab.data.prepare import bf16_bits
+
+    g = torch.Generator().manual_seed(seed)
+    H = model.cfg.target_hidden_size
+    rows = []
+    for i in range(n):
+        scale = torch.tensor([1.0, 10.0, 100.0]).repeat_interleave(H)
+        rows.append({"input_ids": torch.randint(0, 50, (T,), generator=g).tolist(), "prompt_len": 6 + i,
+                     "is_val": False, "aux": bf16_bits(torch.randn(T, 3 * H, generator=g) * scale),
+                     "target_next": [0] * T})
+    return datasets.Dataset.from_list(rows)
+
+
+@pytest.mark.parametrize("norm_output", [False, True])
+def test_drift_diagnostics_follow_their_definitions(norm_output):
+    """Shares sum as defined; norm_output feeds states of RMS exactly |norm weight| (1 at init);
+    fc_norm equalises the fc input shares, which otherwise follow the aux layers' scales."""
+    for fc_norm in (False, True):
+        model = random_drafter(small_config(fc_norm=fc_norm, norm_output=norm_output)).float()
+        if norm_output:
+            model.norm.weight.data.fill_(1.0)
+        per_depth, balance = drift_diagnostics(model, features_for(model), depth=5, recent_tokens=100)
+        for row in per_depth:
+            assert row["context_share"] + row["draft_share"] == pytest.approx(1.0, abs=1e-5)
+            assert row["recent_share"] == pytest.approx(1.0, abs=1e-5)  # R covers every key
+            assert 0 < row["sink_share"] < 1 and row["entropy"] > 0 and row["drafts"] > 0
+        assert per_depth[0]["draft_share"] == 0.0  # step 1 attends to the context only
+        deeper = [r["hidden_rms"] for r in per_depth[1:]]
+        if norm_output:
+            assert deeper == pytest.approx([1.0] * 4, abs=1e-3)
+        else:
+            assert not deeper == pytest.approx([1.0] * 4, abs=1e-2)
+        shares = [r["input_share"] for r in balance]
+        assert sum(shares) == pytest.approx(1.0)
+        if fc_norm:  # unit-RMS chunks (norm weights ~1 ± 0.3): no layer dominates
+            assert max(shares) < 0.5
+        else:  # scales 1 : 10 : 100 -> energies 1 : 100 : 10^4
+            assert shares[2] > 0.98
+
+
+def test_recent_share_with_a_window_of_the_same_size():
+    """With a sliding window of W keys and no sink tokens, all attention is on the W most recent keys."""
+    model = random_drafter(small_config(attention_window=6, attention_sink_tokens=0)).float()
+    per_depth, _ = drift_diagnostics(model, features_for(model), depth=4, recent_tokens=6)
+    for row in per_depth:
+        assert row["recent_share"] == pytest.approx(1.0, abs=1e-5)
+
+
+def read_csv(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_suites_on_a_training_run(cache_dir, tmp_path):
+    """+suite=all on the tiny target, simulated evaluator; a windowed drafter is never sent to vLLM."""
+    run_dir = run(compose(["experiment=smoke", "+suite=all", "train.epochs=1", "drafter.attention_window=64",
+                           "eval.vllm.enabled=true", "eval.suites.long_context.lengths=[128,384]",
+                           "eval.suites.long_context.num_prompts=2", "eval.suites.templates.num_prompts=3",
+                           "eval.suites.templates.conditions=[native,no_template,bos_on,system_long]"],
+                          cache_dir, tmp_path / "run"))
+    suites = run_dir / "suites"
+    for name in ("drift", "extrapolation", "long_context", "templates"):
+        assert (suites / f"{name}.csv").is_file() and (suites / f"{name}.png").is_file(), name
+        assert (suites / f"{name}.pdf").is_file(), name
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["evaluator"] == "simulated" and "attention_window" in info["vllm_skipped"]
+    lc = read_csv(suites / "long_context.csv")
+    assert [int(r["condition"]) for r in lc] == [128, 384] and {r["evaluator"] for r in lc} == {"simulated"}
+    assert all(abs(float(r["prompt_tokens"]) - int(r["condition"])) <= 8 for r in lc)
+    templates = {r["condition"]: r for r in read_csv(suites / "templates.csv")}
+    assert set(templates) == {"native", "no_template", "bos_on", "system_long"}
+    assert float(templates["native"]["ratio_to_native"]) == 1.0
+    assert templates["bos_on"]["same_as"] == "native"  # identical prompts are measured once
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert {"drift/hidden_rms@d8", "drift/sink_share@d1", "extrapolation/simulated/tau_ratio@k6_vs_k3",
+            "long_context/acceptance_length@384@k3", "templates/ratio_to_native@no_template@k3"} <= set(metrics)
+    drift = read_csv(suites / "drift.csv")
+    assert [int(r["depth"]) for r in drift] == list(range(1, 9))
