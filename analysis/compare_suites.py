@@ -39,18 +39,24 @@ def load_run(run_dir: Path) -> dict | None:
     info = json.loads((run_dir / "run.json").read_text())
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     suites = run_dir / "suites"
-    return {"dir": run_dir, "variant": info["variant"], "ttt": int(cfg["train"]["ttt_steps"]),
-            "label": f"{info['variant']} ttt{cfg['train']['ttt_steps']}",
+    window = cfg["drafter"].get("attention_window")
+    return {"dir": run_dir, "variant": info["variant"], "ttt": int(cfg["train"]["ttt_steps"]), "window": window,
+            "label": f"{info['variant']} ttt{cfg['train']['ttt_steps']}" + (f" window{window}" if window else ""),
             "metrics": json.loads((run_dir / "metrics.json").read_text()),
             **{name: read_csv(suites / f"{name}.csv") for name in
                ("drift", "fc_balance", "extrapolation", "long_context", "templates")}}
 
 
+EVALUATOR = "preferred"  # --evaluator: simulated | vllm | preferred (vLLM where it measured, else simulated)
+
+
 def preferred(rows: list[dict], k: int) -> dict[str, dict]:
-    """condition -> row at depth k, vLLM's when it measured the condition, else the simulated one."""
+    """condition -> row at depth k from the chosen evaluator."""
     out = {}
     for r in rows:
-        if int(r["k"]) == k and (r["condition"] not in out or r["evaluator"] == "vllm"):
+        if int(r["k"]) != k or EVALUATOR not in ("preferred", r["evaluator"]):
+            continue
+        if r["condition"] not in out or r["evaluator"] == "vllm":
             out[r["condition"]] = r
     return out
 
@@ -74,7 +80,8 @@ def summary_row(run: dict) -> dict:
 def ratios(runs: list[dict], reference: str) -> list[dict]:
     out = []
     for run in runs:
-        ref = next((r for r in runs if r["variant"] == reference and r["ttt"] == run["ttt"]), None)
+        same_setup = [r for r in runs if (r["ttt"], r["window"]) == (run["ttt"], run["window"])]
+        ref = next((r for r in same_setup if r["variant"] == reference), None)
         if ref is None or run is ref:
             continue
         for suite in ("long_context", "templates"):
@@ -173,7 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--reference", default="eagle3", help="variant every ratio is taken against")
+    ap.add_argument("--evaluator", default="preferred", choices=["preferred", "simulated", "vllm"],
+                    help="rows compared for long_context/templates (same evaluator on both sides of a ratio)")
     args = ap.parse_args(argv)
+    global EVALUATOR
+    EVALUATOR = args.evaluator
     runs = [r for r in map(load_run, args.runs) if r is not None]
     if not runs:
         print("error: no finished run among the given directories; pass run directories with metrics.json",
@@ -184,14 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     write_table([summary_row(r) for r in runs], args.out / "suites_comparison")
     if rows := ratios(runs, args.reference):
         write_table(rows, args.out / "ratios")
-    if all(r["drift"] for r in runs):
-        plot_drift(runs, args.out)
-    if all(r["long_context"] for r in runs):
-        plot_long_context(runs, args.out)
-    if all(r["templates"] for r in runs):
-        plot_templates(runs, args.out)
-    if all(r["extrapolation"] for r in runs):
-        plot_extrapolation(runs, args.out)
+    for suite, plot in (("drift", plot_drift), ("long_context", plot_long_context), ("templates", plot_templates),
+                        ("extrapolation", plot_extrapolation)):
+        if having := [r for r in runs if r[suite]]:  # each figure shows the runs that ran its suite
+            plot(having, args.out)
     print((args.out / "suites_comparison.md").read_text())
     return 0
 

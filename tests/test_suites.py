@@ -3,6 +3,8 @@ and the suites on a run (the vLLM side is in tests/test_vllm.py::test_evaluate_a
 
 import csv
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -123,7 +125,7 @@ def read_csv(path):
         return list(csv.DictReader(f))
 
 
-def test_suites_on_a_training_run(cache_dir, tmp_path):
+def test_suites_on_a_training_run(cache_dir, tmp_path, capsys):
     """+suite=all on the tiny target, simulated evaluator; a windowed drafter is never sent to vLLM."""
     run_dir = run(compose(["experiment=smoke", "+suite=all", "train.epochs=1", "drafter.attention_window=64",
                            "eval.vllm.enabled=true", "eval.suites.long_context.lengths=[128,384]",
@@ -148,3 +150,17 @@ def test_suites_on_a_training_run(cache_dir, tmp_path):
             "long_context/acceptance_length@384@k3", "templates/ratio_to_native@no_template@k3"} <= set(metrics)
     drift = read_csv(suites / "drift.csv")
     assert [int(r["depth"]) for r in drift] == list(range(1, 9))
+
+    # The comparison reads run directories only; an unfinished one is named and skipped.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "analysis"))
+    import compare_suites
+
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    assert compare_suites.main([str(run_dir), str(unfinished), "--out", str(tmp_path / "cmp")]) == 0
+    assert "skipped" in capsys.readouterr().err
+    table = read_csv(tmp_path / "cmp" / "suites_comparison.csv")
+    assert len(table) == 1 and table[0]["run"] == "eagle3.1 ttt3 window64"
+    for name in ("drift", "long_context", "templates", "extrapolation"):
+        assert (tmp_path / "cmp" / f"{name}.png").is_file(), name
+    assert compare_suites.main([str(unfinished), "--out", str(tmp_path / "cmp2")]) == 2
