@@ -39,7 +39,7 @@ def load_run(run_dir: Path) -> dict | None:
     info = json.loads((run_dir / "run.json").read_text())
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     suites = run_dir / "suites"
-    window = cfg["drafter"].get("attention_window")
+    window = (cfg.get("resolved") or {}).get("attention_window", cfg["drafter"].get("attention_window"))
     return {"dir": run_dir, "variant": info["variant"], "ttt": int(cfg["train"]["ttt_steps"]), "window": window,
             "label": f"{info['variant']} ttt{cfg['train']['ttt_steps']}" + (f" window{window}" if window else ""),
             "metrics": json.loads((run_dir / "metrics.json").read_text()),
@@ -131,7 +131,8 @@ def plot_long_context(runs: list[dict], out: Path) -> None:
         rows = sorted(preferred(run["long_context"], run["ttt"]).values(), key=lambda r: float(r["prompt_tokens"]))
         ax.plot([float(r["prompt_tokens"]) for r in rows], [float(r["acceptance_length"]) for r in rows], "o-",
                 color=color, label=f"{run['label']} ({rows[0]['evaluator']}, k={run['ttt']})")
-        ticks = [round(float(r["prompt_tokens"])) for r in rows]
+    ticks = sorted({round(float(r["prompt_tokens"])) for run in runs
+                    for r in preferred(run["long_context"], run["ttt"]).values()})
     ax.set(xscale="log", xlabel="prompt length (tokens)", ylabel="acceptance length τ", title="τ vs context length")
     ax.set_xticks(ticks, [str(t) for t in ticks])
     ax.minorticks_off()
@@ -197,7 +198,13 @@ def main(argv: list[str] | None = None) -> int:
         write_table(rows, args.out / "ratios")
     for suite, plot in (("drift", plot_drift), ("long_context", plot_long_context), ("templates", plot_templates),
                         ("extrapolation", plot_extrapolation)):
-        if having := [r for r in runs if r[suite]]:  # each figure shows the runs that ran its suite
+        per_condition = suite in ("long_context", "templates")
+        having = [r for r in runs if r[suite] and (not per_condition or preferred(r[suite], r["ttt"]))]
+        if suite == "templates":  # bars need every condition: only the conditions all runs measured
+            common = set.intersection(*(set(preferred(r[suite], r["ttt"])) for r in having)) if having else set()
+            for r in having:
+                r[suite] = [row for row in r[suite] if row["condition"] in common]
+        if having:  # each figure shows the runs that ran its suite (with the chosen evaluator)
             plot(having, args.out)
     print((args.out / "suites_comparison.md").read_text())
     return 0

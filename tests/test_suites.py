@@ -147,7 +147,8 @@ def test_suites_on_a_training_run(cache_dir, tmp_path, capsys):
     assert templates["bos_on"]["same_as"] == "native"  # identical prompts are measured once
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert {"drift/hidden_rms@d8", "drift/sink_share@d1", "extrapolation/simulated/tau_ratio@k6_vs_k3",
-            "long_context/acceptance_length@384@k3", "templates/ratio_to_native@no_template@k3"} <= set(metrics)
+            "long_context/simulated/acceptance_length@384@k3",
+            "templates/simulated/ratio_to_native@no_template@k3"} <= set(metrics)
     drift = read_csv(suites / "drift.csv")
     assert [int(r["depth"]) for r in drift] == list(range(1, 9))
 

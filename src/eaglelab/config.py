@@ -262,6 +262,13 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"eval.suites.ks must hold values >= 1, got {s.ks}")
     from eaglelab.data.templates import CONDITIONS
 
+    from eaglelab.data.long_context import MODULES
+
+    if s.long_context.num_prompts > len(MODULES):
+        raise ConfigError(f"eval.suites.long_context.num_prompts={s.long_context.num_prompts}: at most "
+                          f"{len(MODULES)} distinct source modules are available")
+    if len(set(s.templates.conditions)) < len(s.templates.conditions):
+        raise ConfigError(f"eval.suites.templates.conditions lists a condition twice: {s.templates.conditions}")
     unknown = [c for c in s.templates.conditions if c not in CONDITIONS]
     if unknown or "native" not in s.templates.conditions:
         raise ConfigError(f"eval.suites.templates.conditions: {unknown or 'native missing'}; choose from "

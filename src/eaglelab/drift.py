@@ -65,7 +65,8 @@ class _Accumulator:
         self.add(j, "entropy", -(p * torch.log(p.clamp_min(1e-30))).sum(-1), valid)
 
     def mean(self, j: int, name: str) -> float:
-        return self.sums[j][name] / max(self.counts[(j, name)], 1)
+        n = self.counts[(j, name)]
+        return self.sums[j][name] / n if n else float("nan")  # no draft reached depth j: not a measurement
 
 
 @contextlib.contextmanager
@@ -104,6 +105,6 @@ def drift_diagnostics(drafter: Eagle3Drafter, features, depth: int, recent_token
                 acc.add(j, "hidden_rms", rms, acc.valid(every, j))
     per_depth = [{"depth": j, **{m: acc.mean(j, m) for m in MEASURES}, "drafts": acc.counts[(j, "hidden_rms")]}
                  for j in range(1, depth + 1)]
-    share = (energy / energy.sum()).tolist()
+    share = (energy / energy.sum()).tolist() if energy.sum() > 0 else [float("nan")] * n_aux
     fc_balance = [{"aux_layer": layer, "input_share": s} for layer, s in zip(drafter.cfg.aux_layer_ids, share)]
     return per_depth, fc_balance

@@ -51,11 +51,11 @@ def atomic_write_json(path: Path, obj) -> None:
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
-    """A tidy table (one dict per row, the first row's keys as columns), written atomically."""
+    """A tidy table (one dict per row; columns: every key, in first-seen order), written atomically."""
     if not rows:
         return
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+    writer = csv.DictWriter(buf, fieldnames=list(dict.fromkeys(k for row in rows for k in row)))
     writer.writeheader()
     writer.writerows(rows)
     atomic_write_text(path, buf.getvalue())

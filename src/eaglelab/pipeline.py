@@ -150,6 +150,7 @@ def adopt_trained_settings(cfg: RunConfig) -> None:
             cfg.variant = str(trained.get("variant", cfg.variant))
             cfg.train.ttt_steps = int(trained.train.ttt_steps)
             cfg.train.seed = int(trained.train.seed)
+            cfg.data.system_prompt = trained.data.get("system_prompt")  # "native" = the template it was trained on
             log.info("evaluating %s: variant %s, ttt_steps %d, seed %d (from its config.yaml)",
                      candidate, cfg.variant, cfg.train.ttt_steps, cfg.train.seed)
             return
@@ -181,7 +182,8 @@ def _run(cfg: RunConfig, run_dir: Path, info: dict) -> dict:
     info.update(target=target.fingerprint, target_path=str(target.path))
     resolved = OmegaConf.to_yaml(OmegaConf.create({**asdict(cfg), "resolved": {
         "aux_layer_ids": list(model_cfg.aux_layer_ids), "draft_vocab_size": model_cfg.draft_vocab_size,
-        "target_num_layers": target.num_layers, "max_k": max_k(cfg)}}))
+        "target_num_layers": target.num_layers, "max_k": max_k(cfg),
+        "attention_window": model_cfg.attention_window, "attention_sink_tokens": model_cfg.attention_sink_tokens}}))
     atomic_write_text(run_dir / "config.yaml", resolved)
 
     if use_vllm and model_cfg.attention_window is not None:

@@ -46,7 +46,12 @@ def prepare_suites(cfg: RunConfig, target, eval_prompts: list, common: dict) -> 
     if s.long_context.enabled:
         lc = s.long_context
         room = target.max_context - lc.max_new_tokens - 8  # prompt + answer inside the target's window
+        done = set()
         for length in sorted(set(lc.lengths)):
+            if min(length, room) in done:
+                log.warning("long_context: %d tokens clip to %d, already measured: skipped", length, room)
+                continue
+            done.add(min(length, room))
             if length > room:
                 log.warning("long_context: %d-token prompts clipped to %d (the target's window is %d)",
                             length, room, target.max_context)
@@ -171,12 +176,11 @@ def evaluate_suites(cfg: RunConfig, drafter, inputs: SuiteInputs, eval_feats, by
             for r in rows:
                 r["ratio_to_native"] = r["acceptance_length"] / native[(r["evaluator"], r["k"])]
         write_csv(out_dir / f"{suite}.csv", rows)
-        best = "vllm" if any(r["evaluator"] == "vllm" for r in rows) else "simulated"
-        for r in rows:
-            if r["evaluator"] == best:
-                metrics[f"{suite}/acceptance_length@{r['condition']}@k{r['k']}"] = r["acceptance_length"]
-                if "ratio_to_native" in r:
-                    metrics[f"{suite}/ratio_to_native@{r['condition']}@k{r['k']}"] = r["ratio_to_native"]
+        for r in rows:  # the evaluator is part of the key: the two are never mixed silently
+            at = f"{r['condition']}@k{r['k']}"
+            metrics[f"{suite}/{r['evaluator']}/acceptance_length@{at}"] = r["acceptance_length"]
+            if "ratio_to_native" in r:
+                metrics[f"{suite}/{r['evaluator']}/ratio_to_native@{at}"] = r["ratio_to_native"]
         plot_suite(out_dir, suite, cfg.variant)
     return metrics
 

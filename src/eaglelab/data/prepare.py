@@ -29,7 +29,7 @@ from eaglelab.errors import DataError
 from eaglelab.io import atomic_dir, atomic_write_json, file_lock
 
 log = logging.getLogger(__name__)
-CACHE_VERSION = 2  # bump when the stored layout or its meaning changes
+CACHE_VERSION = 3  # bump when the stored layout or its meaning changes (3: SDPA capture, labels from P-1)
 
 
 @dataclass

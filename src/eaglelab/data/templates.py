@@ -37,7 +37,8 @@ def _user_text(messages: Messages) -> str:
 
 
 def _plain(tokenizer, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    # split_special_tokens: "<s>" or "<|begin_of_text|>" stay text even where they exist as control tokens
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
 
 def _native(tokenizer, messages, system_prompt):
@@ -84,7 +85,7 @@ CONDITIONS: dict[str, tuple[Render, str]] = {
     "foreign_llama3": (_foreign_llama3, "Llama-3 chat format written as text"),
     "foreign_mistral": (_foreign_mistral, "Mistral [INST] format written as text"),
     "bos_on": (_bos_on, "native with the tokenizer's BoS token first"),
-    "bos_off": (_bos_off, "native without a leading BoS token"),
+    "bos_off": (_bos_off, "native without a leading BoS token (SmolLM2: its BoS is the first turn's <|im_start|>)"),
     "system_empty": (_system_empty, "chat template with an empty system turn"),
     "system_long": (_system_long, "chat template with a long out-of-distribution system prompt"),
 }
