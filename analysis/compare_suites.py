@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from eaglelab.plots import PALETTE, plt, save_figure  # noqa: E402  (the runs' own style and colour-blind palette)
+from eaglelab.plots import PALETTE, plt, save_figure, template_bars  # noqa: E402  (the runs' own style and colour-blind palette)
 
 
 def read_csv(path: Path) -> list[dict]:
@@ -144,15 +144,8 @@ def plot_long_context(runs: list[dict], out: Path) -> None:
 def plot_templates(runs: list[dict], out: Path) -> None:
     conditions = list(dict.fromkeys(r["condition"] for run in runs for r in run["templates"]))
     fig, ax = plt.subplots(figsize=(9, 3.8), constrained_layout=True)
-    width = 0.8 / len(runs)
-    for i, (run, color) in enumerate(zip(runs, PALETTE)):
-        rows = preferred(run["templates"], run["ttt"])
-        xs = [j + i * width for j in range(len(conditions))]
-        bars = ax.bar(xs, [float(rows[c]["acceptance_length"]) for c in conditions], width, color=color,
-                      label=f"{run['label']} (k={run['ttt']})")
-        ax.bar_label(bars, [f"{float(rows[c]['ratio_to_native']):.2f}" for c in conditions], fontsize=6)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(conditions))], conditions, rotation=30, ha="right")
-    ax.set(ylabel="acceptance length τ", title="τ per prompt condition (labels: ratio to native)")
+    template_bars(ax, conditions, [(f"{run['label']} (k={run['ttt']})", preferred(run["templates"], run["ttt"]))
+                                   for run in runs])
     ax.set_ylim(bottom=1.0)
     ax.grid(alpha=0.3, axis="y")
     ax.legend(frameon=False, fontsize=8)

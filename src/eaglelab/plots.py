@@ -151,6 +151,18 @@ def plot_extrapolation(run_dir: Path, suite_dir: Path, title: str) -> Path:
     return save_figure(fig, suite_dir / "extrapolation.png")
 
 
+def template_bars(ax, conditions: list[str], series: list[tuple[str, dict[str, dict]]]) -> None:
+    """Grouped bars of τ per template condition, one bar per series (label, {condition: table row}),
+    each labelled with its ratio to native."""
+    width = 0.8 / len(series)
+    for i, ((label, rows), color) in enumerate(zip(series, PALETTE)):
+        xs = [j + i * width for j in range(len(conditions))]
+        bars = ax.bar(xs, [float(rows[c]["acceptance_length"]) for c in conditions], width, color=color, label=label)
+        ax.bar_label(bars, [f"{float(rows[c]['ratio_to_native']):.2f}×" for c in conditions], fontsize=6)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(conditions))], conditions, rotation=30, ha="right")
+    ax.set(ylabel="acceptance length τ", title="τ per prompt condition (labels: ratio to native)")
+
+
 def plot_suite(suite_dir: Path, suite: str, title: str) -> Path:
     """long_context.png: τ vs prompt length; templates.png: τ per condition with its ratio to native."""
     rows = _read(suite_dir / f"{suite}.csv")
@@ -167,16 +179,9 @@ def plot_suite(suite_dir: Path, suite: str, title: str) -> Path:
         ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.minorticks_off()
     else:
-        conditions = list(dict.fromkeys(r["condition"] for r in rows))
-        width = 0.8 / len(series)
-        for i, ((evaluator, k), color) in enumerate(zip(series, PALETTE)):
-            sel = {r["condition"]: r for r in rows if (r["evaluator"], int(r["k"])) == (evaluator, k)}
-            xs = [j + i * width for j in range(len(conditions))]
-            bars = ax.bar(xs, [float(sel[c]["acceptance_length"]) for c in conditions], width, color=color,
-                          label=f"{evaluator}, k={k}")
-            ax.bar_label(bars, [f"{float(sel[c]['ratio_to_native']):.2f}×" for c in conditions], fontsize=6)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(conditions))], conditions, rotation=30, ha="right")
-        ax.set(ylabel="acceptance length τ", title="τ per prompt condition (labels: ratio to native)")
+        by_series = {s: {r["condition"]: r for r in rows if (r["evaluator"], int(r["k"])) == s} for s in series}
+        template_bars(ax, list(dict.fromkeys(r["condition"] for r in rows)),
+                      [(f"{evaluator}, k={k}", by_series[(evaluator, k)]) for evaluator, k in series])
     ax.set_ylim(bottom=1.0)
     ax.grid(alpha=0.3)
     ax.legend(frameon=False, fontsize=8)
