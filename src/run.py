@@ -1,12 +1,15 @@
-"""Entry point: `python src/run.py [+ablation=NAME] [experiment=NAME] [key=value ...]`.
+"""Entry point: `python src/run.py [+ablation=NAME] [experiment=NAME] [key=value ...]`, and with `-m` a sweep
+(`python src/run.py -m +sweep=ablation_grid`, sweeps/README.md).
 
-Composes conf/ with Hydra, runs eaglelab.pipeline.run, prints `run_dir: <path>` last.
+Composes conf/ with Hydra, runs eaglelab.pipeline.run, prints `run_dir: <path>` last and returns the
+`objective` metrics (what Hydra's Optuna sweeper optimises).
 """
 
 import logging
 import os
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `eaglelab` without installing (src layout)
@@ -16,27 +19,40 @@ from omegaconf import DictConfig  # noqa: E402
 
 from eaglelab.errors import EaglelabError  # noqa: E402
 
+# Hydra 1.4 warns on every callback it instantiates without a whitelist; the one callback is ours.
+warnings.filterwarnings("ignore", message=r".*_target_='eaglelab\.sweeps\.Preflight'")
+
 
 @hydra.main(config_path="../conf", config_name="config")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig):
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
     from eaglelab.config import to_run_config
-    from eaglelab.pipeline import run
+    from eaglelab.pipeline import is_primary, run
+    from eaglelab.sweeps import objective
 
     def interrupt(signum, _frame):  # SIGTERM (kill, a scheduler) ends the run like Ctrl-C: cleanly
         raise KeyboardInterrupt(f"signal {signum}")
 
-    signal.signal(signal.SIGTERM, interrupt)
+    if "SUBMITIT_EXECUTOR" not in os.environ:  # in a submitit job, submitit owns the signals (and requeueing)
+        signal.signal(signal.SIGTERM, interrupt)
     try:
         run_cfg = to_run_config(cfg)
         run_cfg.run_dir = HydraConfig.get().runtime.output_dir
         run_dir = run(run_cfg)
+        hc = HydraConfig.get()  # an optimising sweeper (not a grid) gets the objective metrics back
+        optimising = hc.mode == RunMode.MULTIRUN and not hc.sweeper._target_.endswith("BasicSweeper")
+        value = objective(run_cfg, run_dir) if optimising and is_primary() else None
     except EaglelabError as e:
         logging.getLogger("eaglelab").debug("error", exc_info=True)
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise  # one trial failed: Hydra records it (the sweep reports it), the other trials go on
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(f"run_dir: {os.path.abspath(run_dir)}", flush=True)
+    if is_primary():
+        print(f"run_dir: {os.path.abspath(run_dir)}", flush=True)
+    return value
 
 
 if __name__ == "__main__":

@@ -79,9 +79,11 @@ class TrainConfig:
     seed: int = 0
     precision: str = "bf16-mixed"
     accelerator: str = "cpu"
-    devices: int = 1
+    devices: int = 1  # per node; with strategy=ddp, batch_size is per process (global = batch_size × processes)
+    num_nodes: int = 1
     strategy: str = "auto"
     num_threads: int = 0  # 0: all cores
+    checkpoint_every_n_steps: int = 50  # the resume point after a preemption (lightning/last.ckpt)
 
 
 @dataclass
@@ -165,7 +167,11 @@ class PathsConfig:
 
 @dataclass
 class LoggerConfig:
-    kind: str = "csv"  # csv | none
+    kind: str = "csv"  # csv | wandb (CSV as well) | none
+    project: str = "eaglelab"
+    entity: str | None = None
+    group: str | None = None  # e.g. the sweep: runs of one sweep side by side in W&B
+    mode: str = "offline"  # offline (sync later with `wandb sync`) | online | disabled
 
 
 @dataclass
@@ -179,6 +185,8 @@ class RunConfig:
     paths: PathsConfig = field(default_factory=PathsConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: str | None = None  # set: evaluate this drafter (export dir, run dir or .ckpt), no training
+    # What `python src/run.py` returns to a sweeper (Hydra's Optuna sweeper): metrics.json keys.
+    objective: list[str] = field(default_factory=lambda: ["val/acceptance_length@k3"])
     run_dir: str | None = None  # set by the entry point (Hydra's output dir)
 
 
@@ -211,16 +219,24 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"target.dtype={cfg.target.dtype!r}; use float32, bfloat16 or float16")
     if t.loss not in ("ce", "kl"):
         raise ConfigError(f"train.loss={t.loss!r}; use ce or kl")
+    if cfg.logger.kind not in ("csv", "wandb", "none"):
+        raise ConfigError(f"logger.kind={cfg.logger.kind!r}; use csv, wandb or none (logger=wandb)")
+    if cfg.logger.mode not in ("offline", "online", "disabled"):
+        raise ConfigError(f"logger.mode={cfg.logger.mode!r}; use offline, online or disabled")
     positive = {
         "train.ttt_steps": t.ttt_steps, "train.lr": t.lr, "train.batch_size": t.batch_size,
         "train.epochs": t.epochs, "drafter.num_layers": d.num_layers,
         "drafter.draft_vocab_size": d.draft_vocab_size, "data.num_prompts": data.num_prompts,
         "data.max_new_tokens": data.max_new_tokens, "data.max_length": data.max_length,
         "data.regen_batch_size": data.regen_batch_size, "eval.max_new_tokens": ev.max_new_tokens,
+        "train.checkpoint_every_n_steps": t.checkpoint_every_n_steps, "train.devices": t.devices,
+        "train.num_nodes": t.num_nodes,
     }
     for key, value in positive.items():
         if not value > 0:
             raise ConfigError(f"{key} must be > 0, got {value}")
+    if not cfg.objective:
+        raise ConfigError("objective must name at least one metric, e.g. objective=[val/acceptance_length@k3]")
     if not 0.0 < t.step_decay <= 1.0:
         raise ConfigError(f"train.step_decay must be in (0, 1], got {t.step_decay}")
     if not 0.0 <= data.val_fraction < 1.0:
@@ -273,8 +289,6 @@ def validate(cfg: RunConfig) -> None:
     if unknown or "native" not in s.templates.conditions:
         raise ConfigError(f"eval.suites.templates.conditions: {unknown or 'native missing'}; choose from "
                           f"{', '.join(CONDITIONS)} (native is the reference every ratio is taken against)")
-    if cfg.logger.kind not in ("csv", "none"):
-        raise ConfigError(f"logger.kind={cfg.logger.kind!r}; use csv or none")
 
 
 def max_k(cfg: RunConfig) -> int:

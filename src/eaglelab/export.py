@@ -38,6 +38,8 @@ def _build(path: Path, cfg: Eagle3Config, sd: dict, embed_tokens: torch.Tensor |
     if "embed_tokens.weight" not in sd:
         if embed_tokens is None:
             raise EaglelabError(f"{path} has no embed_tokens; pass the target's embeddings")
+        if embed_tokens.numel() == 0:  # only re-exporting: the export leaves the shared embeddings out anyway
+            embed_tokens = torch.zeros_like(model.embed_tokens.weight)
         sd["embed_tokens.weight"] = embed_tokens
     try:
         missing, unexpected = model.load_state_dict(sd, strict=False)
@@ -65,9 +67,10 @@ def load_drafter(path: Path, embed_tokens: torch.Tensor | None = None,
     return _build(path, cfg, sd, embed_tokens, target)
 
 
-def load_lightning(ckpt: Path, target: TargetShape | None = None) -> Eagle3Drafter:
+def load_lightning(ckpt: Path, target: TargetShape | None = None,
+                   embed_tokens: torch.Tensor | None = None) -> Eagle3Drafter:
     """The drafter inside a Lightning checkpoint written by training (its hyper-parameters carry the
-    model config; the frozen target embeddings are in the state dict)."""
+    model config). The frozen target embeddings are left out of checkpoints: `embed_tokens` supplies them."""
     ckpt = Path(ckpt)
     try:
         state = torch.load(str(ckpt), map_location="cpu", weights_only=False)
@@ -80,7 +83,7 @@ def load_lightning(ckpt: Path, target: TargetShape | None = None) -> Eagle3Draft
                             f"{str(e).splitlines()[0][:120] if str(e) else 'no detail'}); it is not an eaglelab "
                             "training checkpoint or it is truncated") from None
     sd = {k[len("drafter."):]: v for k, v in state["state_dict"].items() if k.startswith("drafter.")}
-    return _build(ckpt, cfg, sd, None, target)
+    return _build(ckpt, cfg, sd, embed_tokens, target)
 
 
 def load_checkpoint(path: Path, embed_tokens: torch.Tensor | None = None,
@@ -89,13 +92,13 @@ def load_checkpoint(path: Path, embed_tokens: torch.Tensor | None = None,
     .ckpt. With `target`, a drafter trained for another target is refused before its weights load."""
     path = Path(path).expanduser()
     if path.is_file():
-        return load_lightning(path, target)
+        return load_lightning(path, target, embed_tokens)
     if (path / "config.json").exists():
         return load_drafter(path, embed_tokens, target)
     if (path / "drafter" / "config.json").exists():
         return load_drafter(path / "drafter", embed_tokens, target)
     if (path / "lightning" / "last.ckpt").exists():
-        return load_lightning(path / "lightning" / "last.ckpt", target)
+        return load_lightning(path / "lightning" / "last.ckpt", target, embed_tokens)
     raise EaglelabError(f"{path} holds no drafter: expected an exported drafter (config.json + model.safetensors), "
                         "a run directory or a Lightning .ckpt")
 
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if Path(args.out).exists():
             raise EaglelabError(f"{args.out} exists; choose a new output folder")
-        model = load_checkpoint(Path(args.checkpoint))
+        model = load_checkpoint(Path(args.checkpoint), embed_tokens=torch.zeros(0))  # embeddings are not exported
         save_drafter(model, Path(args.out))
     except EaglelabError as e:
         print(f"error: {e}", file=sys.stderr)

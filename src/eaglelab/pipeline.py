@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import platform
 import time
 import traceback
@@ -95,41 +96,91 @@ def _init_from_target(module, shared: dict[str, torch.Tensor], draft_ids: torch.
     return head
 
 
+def _loggers(cfg: RunConfig, run_dir: Path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    if cfg.logger.kind == "none":
+        return False
+    loggers = [CSVLogger(save_dir=str(run_dir), name="logs", version="")]
+    if cfg.logger.kind == "wandb":
+        from lightning.pytorch.loggers import WandbLogger
+
+        # The W&B run id lives in the run directory, so a requeued trial continues the same W&B run.
+        id_file = run_dir / "wandb" / "run_id"
+        if not is_primary():
+            return loggers  # only process 0 logs to W&B (and creates the id)
+        if not id_file.exists():
+            atomic_write_text(id_file, os.urandom(8).hex() + "\n")
+        loggers.append(WandbLogger(project=cfg.logger.project, entity=cfg.logger.entity, group=cfg.logger.group,
+                                   name=run_dir.name, id=id_file.read_text().strip(), resume="allow",
+                                   save_dir=str(run_dir), mode=cfg.logger.mode, tags=[cfg.variant],
+                                   config=asdict(cfg)))
+    return loggers
+
+
 def _trainer(cfg: RunConfig, run_dir: Path):
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-    loggers = [CSVLogger(save_dir=str(run_dir), name="logs", version="")] if cfg.logger.kind == "csv" else False
+    from eaglelab.training import FlushLogsWithCheckpoints
+
     t = cfg.train
+    # submitit owns requeueing (one owner): Lightning's own SLURM auto-requeue would requeue a second time.
+    plugins = [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else None
     return L.Trainer(
         accelerator=t.accelerator, devices=t.devices, strategy=t.strategy, precision=t.precision,
+        num_nodes=t.num_nodes, plugins=plugins,
         max_epochs=t.epochs, max_steps=t.max_steps, gradient_clip_val=t.grad_clip or None,
-        logger=loggers, log_every_n_steps=5, deterministic=True, num_sanity_val_steps=0,
-        # One rolling checkpoint, rewritten each epoch: the resume point (written atomically by Lightning).
+        logger=_loggers(cfg, run_dir), log_every_n_steps=5, deterministic=True, num_sanity_val_steps=0,
+        use_distributed_sampler=False,  # EpochBatches shards the batches itself (and resumes mid-epoch)
+        # One rolling checkpoint: the resume point after a preemption (Lightning writes it atomically).
         callbacks=[ModelCheckpoint(dirpath=str(run_dir / "lightning"), filename="last", save_top_k=1,
-                                   every_n_epochs=1, enable_version_counter=False)],
+                                   every_n_train_steps=t.checkpoint_every_n_steps, enable_version_counter=False),
+                   FlushLogsWithCheckpoints()],
         enable_model_summary=False, default_root_dir=str(run_dir),
     )
 
 
+def is_primary() -> bool:
+    """Process 0 of a (possibly) distributed job: the only one that writes results. Other DDP processes
+    (Lightning's children, or the tasks Slurm starts) prepare their data from the cache and train."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    return rank_zero_only.rank == 0
+
+
 def run(cfg: RunConfig) -> Path:
-    """Run the whole loop; returns the run directory. Raises EaglelabError on bad input."""
+    """Run the whole loop; returns the run directory. Raises EaglelabError on bad input.
+
+    A run directory is a trial's identity: started again with the same config (a requeued job, a relaunched
+    sweep) a finished run is returned as it is, an interrupted one resumes from its last checkpoint."""
     run_dir = Path(cfg.run_dir or Path(cfg.paths.results_dir) / "runs" / time.strftime("%Y-%m-%d_%H-%M-%S"))
+    if cfg.checkpoint:
+        adopt_trained_settings(cfg)
+    if not is_primary():
+        _run(cfg, run_dir, {"started": time.time()})
+        return run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    if (run_dir / "metrics.json").exists():
-        raise EaglelabError(f"{run_dir} already holds a finished run; choose another run directory")
+    previous = previous_attempt(cfg, run_dir)
+    if previous.get("status") == "complete":
+        log.info("%s is complete: not run again", run_dir)
+        return run_dir
     started = time.time()
     info = {"status": "running", "variant": cfg.variant, "seed": cfg.train.seed,
             "eaglelab_version": eaglelab.__version__, "torch": torch.__version__,
-            "host": platform.node(), "started": started}
+            "host": platform.node(), "started": started, "attempt": previous.get("attempt", 0) + 1}
+    if previous:
+        info["first_started"] = previous.get("first_started", previous.get("started"))
+        log.info("%s: resuming (attempt %d, after %s)", run_dir, info["attempt"], previous.get("status"))
     atomic_write_json(run_dir / "run.json", info)
     try:
         metrics = _run(cfg, run_dir, info)
     except BaseException as e:
-        info.update(status="interrupted" if isinstance(e, KeyboardInterrupt) else "failed",
+        interrupted = isinstance(e, (KeyboardInterrupt, SystemExit))  # SystemExit: submitit's requeue
+        info.update(status="interrupted" if interrupted else "failed",
                     error=f"{type(e).__name__}: {e}", finished=time.time())
-        if not isinstance(e, (EaglelabError, KeyboardInterrupt)):
+        if not isinstance(e, (EaglelabError, KeyboardInterrupt, SystemExit)):
             info["traceback"] = traceback.format_exc()
         atomic_write_json(run_dir / "run.json", info)
         raise
@@ -137,6 +188,26 @@ def run(cfg: RunConfig) -> Path:
     atomic_write_json(run_dir / "run.json", info)
     atomic_write_json(run_dir / "metrics.json", metrics)  # last: marks the run complete
     return run_dir
+
+
+def previous_attempt(cfg: RunConfig, run_dir: Path) -> dict:
+    """What an earlier start left in `run_dir` ({} if nothing): its run.json, status "complete" once
+    metrics.json exists. A directory holding another configuration is refused."""
+    if not (run_dir / "run.json").exists():
+        return {}
+    if (run_dir / "config.yaml").exists():
+        stored = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"))
+        stored.pop("resolved", None)
+        now = OmegaConf.to_container(OmegaConf.create(asdict(cfg)))
+        if stored != now:
+            changed = sorted(k for k in set(stored) | set(now) if stored.get(k) != now.get(k))
+            raise EaglelabError(f"{run_dir} holds a run with another configuration (differs in {', '.join(changed)}); "
+                                "choose another run directory")
+    previous = json.loads((run_dir / "run.json").read_text())
+    # metrics.json alone marks completion: a kill between the final run.json and metrics.json writes is unfinished
+    previous["status"] = "complete" if (run_dir / "metrics.json").exists() else (
+        "interrupted" if previous.get("status") == "complete" else previous.get("status"))
+    return previous
 
 
 def adopt_trained_settings(cfg: RunConfig) -> None:
@@ -158,9 +229,7 @@ def adopt_trained_settings(cfg: RunConfig) -> None:
 
 def _run(cfg: RunConfig, run_dir: Path, info: dict) -> dict:
     timer = StageTimer()
-    if cfg.checkpoint:
-        adopt_trained_settings(cfg)
-        info.update(variant=cfg.variant, seed=cfg.train.seed)
+    primary = is_primary()
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     use_vllm = vllm_wanted(cfg)  # before any expensive work: a required but missing vLLM fails now
@@ -184,7 +253,8 @@ def _run(cfg: RunConfig, run_dir: Path, info: dict) -> dict:
         "aux_layer_ids": list(model_cfg.aux_layer_ids), "draft_vocab_size": model_cfg.draft_vocab_size,
         "target_num_layers": target.num_layers, "max_k": max_k(cfg),
         "attention_window": model_cfg.attention_window, "attention_sink_tokens": model_cfg.attention_sink_tokens}}))
-    atomic_write_text(run_dir / "config.yaml", resolved)
+    if primary:
+        atomic_write_text(run_dir / "config.yaml", resolved)
 
     if use_vllm and model_cfg.attention_window is not None:
         # vLLM's Eagle3 drafter has no sliding window with kept sink tokens: its τ would be another drafter's.
@@ -193,7 +263,7 @@ def _run(cfg: RunConfig, run_dir: Path, info: dict) -> dict:
         info["vllm_skipped"] = "drafter.attention_window is not expressible in vLLM's Eagle3 drafter"
         use_vllm = False
     train_feats, eval_feats, suite_inputs, data_metrics = prepare_data(cfg, target, model_cfg, timer, backend,
-                                                                         train=loaded is None)
+                                                                         train=loaded is None, evaluate=primary)
     serving = {"path": target.path, "max_model_len": target.max_context}
     del target  # the rest of the target is not needed past data preparation: free it before training
     metrics: dict[str, float | int] = dict(data_metrics)
@@ -204,6 +274,10 @@ def _run(cfg: RunConfig, run_dir: Path, info: dict) -> dict:
         metrics.update(train_metrics)
     else:
         drafter = loaded
+    if not primary:
+        return {}  # a DDP helper process: its share of training is done; process 0 exports and evaluates
+    # The drafter's own cost (the target's shared embeddings are not counted): a second Optuna objective.
+    metrics["drafter/params"] = sum(p.numel() for n, p in drafter.named_parameters() if not n.startswith("embed"))
     with timer("export"):
         save_drafter(drafter, run_dir / "drafter")
     with timer("evaluate"):
@@ -278,8 +352,9 @@ def _evaluate_in_vllm(cfg: RunConfig, run_dir: Path, drafter, serving: dict, eva
 
 
 def prepare_data(cfg: RunConfig, target, model_cfg: Eagle3Config, timer: StageTimer, backend: str = "hf",
-                 train: bool = True):
-    """Training prompts and held-out evaluation prompts (never overlapping), regenerated and captured."""
+                 train: bool = True, evaluate: bool = True):
+    """Training prompts and held-out evaluation prompts (never overlapping), regenerated and captured.
+    `evaluate=False` (a DDP helper process): the training data only."""
     eval_prompts = humaneval_prompts() if cfg.eval.prompts == "humaneval" else load_source(cfg.eval.prompts)
     eval_prompts = eval_prompts[: cfg.eval.num_prompts] if cfg.eval.num_prompts else eval_prompts
     train_prompts = mix_sources(cfg.data.sources, cfg.data.num_prompts, cfg.data.seed)
@@ -296,6 +371,8 @@ def prepare_data(cfg: RunConfig, target, model_cfg: Eagle3Config, timer: StageTi
         train_feats, train_stats = prepare_features(target, train_prompts, name="train",
                                                     max_new_tokens=cfg.data.max_new_tokens,
                                                     val_fraction=cfg.data.val_fraction, **common)
+    if not evaluate:
+        return train_feats, None, None, {}
     eval_feats, eval_stats = prepare_features(target, eval_prompts, name="eval",
                                               max_new_tokens=cfg.eval.max_new_tokens, **common)
     for stage in ("regenerate", "capture"):
@@ -314,7 +391,7 @@ def train_drafter(cfg: RunConfig, run_dir: Path, model_cfg: Eagle3Config, shared
     """Draft vocabulary from the training split, init from the target, TTT training with Lightning."""
     import lightning as L
 
-    from eaglelab.training import DrafterModule, FeatureDataset, collate
+    from eaglelab.training import DrafterModule, EpochBatches, FeatureDataset, ResumableLoader, collate
 
     # Seeded here, right before anything random, so the result never depends on what ran before
     # (e.g. whether the data came from the cache or was just generated).
@@ -333,16 +410,75 @@ def train_drafter(cfg: RunConfig, run_dir: Path, model_cfg: Eagle3Config, shared
                                       model_cfg.vocab_size, model_cfg.draft_vocab_size)
     module = DrafterModule(model_cfg, cfg.train)
     module.target_head = _init_from_target(module, shared, draft_ids, cfg.drafter.init_lm_head_from_target)
-    loader = torch.utils.data.DataLoader(train_set, batch_size=cfg.train.batch_size, shuffle=True,
-                                         collate_fn=collate,
-                                         generator=torch.Generator().manual_seed(cfg.train.seed))
+    loader = ResumableLoader(train_set, collate_fn=collate,
+                             batch_sampler=EpochBatches(len(train_set), cfg.train.batch_size, cfg.train.seed))
+    module.train_batches = loader.batch_sampler
     val_loader = (torch.utils.data.DataLoader(val_set, batch_size=cfg.train.batch_size, collate_fn=collate)
                   if val_set else None)
+    ckpt = run_dir / "lightning" / "last.ckpt"
+    state = readable_checkpoint(ckpt)  # every DDP process reads the same file: the same decision everywhere
+    if state is not None and "eaglelab_train_metrics" in state:  # training had finished: its result stands
+        module.on_load_checkpoint(state)
+        module.load_state_dict(state["state_dict"])
+        log.info("training finished in an earlier attempt: weights from %s", ckpt)
+        return module, state["eaglelab_train_metrics"]
+    resume = str(ckpt) if state is not None else None
+    if resume:
+        log.info("resuming training from %s (step %d)", ckpt, state["global_step"])
+        if is_primary():
+            keep_previous_log(run_dir)
+    del state
     trainer = _trainer(cfg, run_dir)
-    trainer.fit(module, loader, val_loader)
+    trainer.fit(module, loader, val_loader, ckpt_path=resume)
     if trainer.interrupted:
         raise KeyboardInterrupt("training interrupted")
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("val/", "train/"))}
     metrics.update({"data/train_sequences": len(train_idx), "data/val_sequences": len(val_idx),
                     "data/draft_vocab_coverage": coverage, "train/steps": int(trainer.global_step)})
+    module.final_metrics = metrics
+    trainer.save_checkpoint(ckpt)  # the finished state with its metrics (every process joins; process 0 writes)
+    if is_primary() and any((run_dir / "logs").glob("metrics.attempt*.csv")):
+        merge_logs(run_dir / "logs")
     return module, metrics
+
+
+def readable_checkpoint(ckpt: Path) -> dict | None:
+    """The checkpoint to resume from, if there is one that loads. An unreadable one (truncated by a dying
+    node) is not trusted: training starts again, and the next checkpoint replaces the file."""
+    if not ckpt.exists():
+        return None
+    try:
+        return torch.load(ckpt, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 — any unreadable checkpoint means: start training again
+        log.warning("%s cannot be read (%s): training starts again", ckpt, type(e).__name__)
+        return None
+
+
+def keep_previous_log(run_dir: Path) -> Path | None:
+    """Lightning's CSV logger starts metrics.csv afresh: set the interrupted attempt's rows aside first."""
+    current = run_dir / "logs" / "metrics.csv"
+    if not current.exists():
+        return None
+    n = len(list(current.parent.glob("metrics.attempt*.csv"))) + 1
+    kept = current.with_name(f"metrics.attempt{n}.csv")
+    current.rename(kept)
+    return kept
+
+
+def merge_logs(logs: Path) -> None:
+    """metrics.csv = each interrupted attempt's rows before the step the next attempt resumed from, then the
+    last attempt's: every step once, none lost (the attempts' own files stay as they were)."""
+    import csv
+
+    def rows(path):
+        with open(path, newline="") as f:
+            return [r for r in csv.DictReader(f) if r.get("step")]
+
+    attempts = sorted(logs.glob("metrics.attempt*.csv"), key=lambda p: int(p.stem.removeprefix("metrics.attempt")))
+    tables = [rows(p) for p in attempts] + [rows(logs / "metrics.csv") if (logs / "metrics.csv").exists() else []]
+    merged = []
+    for i, table in enumerate(tables):
+        later = [int(r["step"]) for t in tables[i + 1:] for r in t]
+        resumed_at = min(later, default=None)
+        merged += [r for r in table if resumed_at is None or int(r["step"]) < resumed_at]
+    write_csv(logs / "metrics.csv", merged)

@@ -17,7 +17,7 @@ import torch
 
 from eaglelab.config import TargetConfig
 from eaglelab.errors import TargetError
-from eaglelab.io import atomic_dir
+from eaglelab.io import atomic_dir, file_lock
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -99,8 +99,11 @@ def _smollm2_folder(cache_dir: Path) -> tuple[Path, str]:
     if not (out / "config.json").is_file():
         from rich.console import Console
 
-        with Console(stderr=True).status(f"converting {gguf.name} -> {out} (once, ~30 s)"):
-            _convert_gguf(gguf, out)
+        # Trials of a sweep starting at once convert once: the others wait for the folder.
+        with file_lock(cache_dir / "locks" / f"{out.name}.lock"):
+            if not (out / "config.json").is_file():
+                with Console(stderr=True).status(f"converting {gguf.name} -> {out} (once, ~30 s)"):
+                    _convert_gguf(gguf, out)
     return out, f"smollm2:{digest}"
 
 

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import lightning as L
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from eaglelab.acceptance import AcceptanceCounts, simulate
 from eaglelab.config import TrainConfig
@@ -46,6 +47,63 @@ class FeatureDataset(Dataset):
 
     def __getitem__(self, i):
         return self.items[i]
+
+
+class EpochBatches(Sampler):
+    """Global batches of a seeded per-epoch permutation, of which this process takes its share; resumable.
+
+    Epoch e's order is a seeded randperm(n) (seed and e mixed), cut into global batches of batch_size × world_size
+    sequences; rank r takes items r, r+W, ... of each. So W processes with batch_size b step through exactly
+    the batches one process with batch_size W·b does (DDP equivalence), and the order never depends on what ran
+    before. The batches served in the current epoch are part of a checkpoint (see `ResumableLoader`), so a
+    job resumed mid-epoch continues at the next batch instead of replaying or reshuffling the epoch.
+    """
+
+    def __init__(self, n: int, batch_size: int, seed: int, shuffle: bool = True):
+        self.n, self.batch_size, self.seed, self.shuffle = n, batch_size, seed, shuffle
+        self.epoch, self.served = 0, 0
+        self._resume: tuple[int, int] | None = None  # (epoch, batches already served) from a checkpoint
+        self.sampler = self  # Lightning calls set_epoch on `loader.batch_sampler.sampler`
+
+    @staticmethod
+    def _world() -> tuple[int, int]:
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+
+    def _global_batches(self) -> list[torch.Tensor]:
+        _, world = self._world()
+        # seed·1000003 + epoch: seed s's second epoch is not seed s+1's first (replicates stay independent)
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(self.n, generator=generator) if self.shuffle else torch.arange(self.n)
+        size = self.batch_size * world
+        # A last global batch with fewer sequences than processes would leave a process without data.
+        return [b for b in order.split(size) if len(b) >= world]
+
+    def set_epoch(self, epoch: int) -> None:  # called by Lightning before each training epoch
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self._global_batches())
+
+    def __iter__(self):
+        rank, world = self._world()
+        start = self._resume[1] if self._resume and self._resume[0] == self.epoch else 0
+        self._resume = None
+        for i, batch in enumerate(self._global_batches()):
+            if i >= start:
+                self.served = i + 1  # counted as it is handed out: Lightning does not prefetch a sized loader
+                yield batch[rank::world].tolist()
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader Lightning checkpoints (it has state_dict/load_state_dict): the sampler's position."""
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.batch_sampler.epoch, "served": self.batch_sampler.served}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batch_sampler._resume = (int(state["epoch"]), int(state["served"]))
 
 
 @dataclass
@@ -91,6 +149,17 @@ def shift(x: torch.Tensor, by: int, value=0) -> torch.Tensor:
     return F.pad(x, pad, value=value)[:, by: by + T]
 
 
+def per_process_mean(count: torch.Tensor) -> torch.Tensor:
+    """A count averaged over DDP processes (the count itself in one process). Dividing each process's sum by
+    it makes DDP's gradient average the gradient of the global mean, so W processes with batch b train exactly
+    like one process with batch W·b although their sequences hold different numbers of tokens."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        count = count.detach().float().clone()
+        dist.all_reduce(count)
+        return count / dist.get_world_size()
+    return count
+
+
 # --- acceptance from one unrolled forward -----------------------------------------------------
 @torch.no_grad()
 def acceptance_counts(drafter: Eagle3Drafter, batch: Batch, max_k: int,
@@ -110,6 +179,15 @@ def acceptance_counts(drafter: Eagle3Drafter, batch: Batch, max_k: int,
         for k in totals:
             totals[k].add(simulate(matches[b, :n], p, n, k))
     return totals
+
+
+class FlushLogsWithCheckpoints(L.Callback):
+    """A checkpoint and the log rows before it reach the disk together, so a killed run loses neither
+    (Lightning's CSV logger otherwise writes every 100 steps)."""
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        for logger in trainer.loggers:
+            logger.save()
 
 
 # --- the module --------------------------------------------------------------------------------
@@ -139,10 +217,11 @@ class DrafterModule(L.LightningModule):
             if self.train_cfg.loss == "ce":
                 in_vocab = d.t2d[label]  # tokens outside the draft vocab cannot be learnt
                 nll = -logp.gather(-1, target_to_draft.clamp(min=0)[label][:, None])[:, 0]
-                loss_j = (nll * in_vocab).sum() / in_vocab.sum().clamp(min=1)
+                loss_j = (nll * in_vocab).sum() / per_process_mean(in_vocab.sum()).clamp(min=1)
             else:
                 p = F.softmax((shift(batch.final, j)[valid] @ self.target_head.T).float(), dim=-1)
-                loss_j = (p * (torch.log(p.clamp_min(1e-20)) - logp)).sum(-1).mean() if len(p) else logp.sum()
+                kl = (p * (torch.log(p.clamp_min(1e-20)) - logp)).sum(-1)  # [N]
+                loss_j = kl.sum() / per_process_mean(torch.tensor(float(len(kl)), device=kl.device)).clamp(min=1)
             hit = d.to_target_ids(logp.argmax(-1)) == label
             total = total + self.train_cfg.step_decay ** (j - 1) * loss_j
             losses.append(loss_j.detach())
@@ -154,12 +233,16 @@ class DrafterModule(L.LightningModule):
         loss, losses, correct, counted = self.ttt(batch, self.train_cfg.ttt_steps)
         if not torch.isfinite(loss):
             raise TrainingError(f"non-finite loss at step {self.global_step}; the last good checkpoint is "
-                                "kept in checkpoints/; lower train.lr or raise train.grad_clip protection")
+                                "kept in lightning/last.ckpt; lower train.lr or train.grad_clip")
+        # Each process's terms are already divided by the mean count per process, so their mean over
+        # processes (sync_dist) is the global figure; in one process sync_dist does nothing.
         bs = batch.input_ids.shape[0]
-        self.log("train/loss", loss, prog_bar=True, batch_size=bs)
+        self.log("train/loss", loss, prog_bar=True, batch_size=bs, sync_dist=True)
         for j, (l_j, c, n) in enumerate(zip(losses, correct, counted), start=1):
-            self.log(f"train/loss@d{j}", l_j, batch_size=bs)
-            self.log(f"train/acc@d{j}", c / max(n, 1), batch_size=bs)
+            self.log(f"train/loss@d{j}", l_j, batch_size=bs, sync_dist=True)
+            n_mean = per_process_mean(torch.tensor(float(n), device=loss.device))  # NCCL reduces GPU tensors only
+            self.log(f"train/acc@d{j}", c / float(n_mean.clamp(min=1)),
+                     batch_size=bs, sync_dist=True)
         return loss
 
     def on_validation_epoch_start(self):
@@ -186,11 +269,34 @@ class DrafterModule(L.LightningModule):
         for k, counts in self._val_counts.items():
             self.log(f"val/acceptance_length@k{k}", counts.acceptance_length, prog_bar=True)
 
+    # The shared embeddings are the target's, frozen: left out of checkpoints (half their size at SmolLM2
+    # scale, and a checkpoint is written every `train.checkpoint_every_n_steps`), put back on load.
+    final_metrics: dict | None = None  # set when training has finished: the final checkpoint carries them
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["state_dict"].pop("drafter.embed_tokens.weight", None)
+        if self.final_metrics is not None:
+            checkpoint["eaglelab_train_metrics"] = self.final_metrics
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["state_dict"].setdefault("drafter.embed_tokens.weight", self.drafter.embed_tokens.weight.detach())
+
+    train_batches: EpochBatches | None = None  # set before fit: the training loader's batch sampler
+
+    def _total_steps(self) -> int:
+        """Optimizer steps of the whole run (the LR schedule's length), from the batch sampler. Lightning's
+        `estimated_stepping_batches` would set the train loader up before a checkpoint's loader state is
+        restored, and a resumed run would then start its epoch's data order again."""
+        if self.train_batches is None:
+            return int(self.trainer.estimated_stepping_batches)
+        steps = len(self.train_batches) * self.trainer.max_epochs
+        return min(steps, self.trainer.max_steps) if self.trainer.max_steps > 0 else steps
+
     def configure_optimizers(self):
         cfg = self.train_cfg
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        total = max(self._total_steps(), 1)
         warmup = min(cfg.warmup_steps, max(total // 10, 1))
 
         def schedule(step):  # linear warm-up, cosine decay to 10%

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Debian packages of a single-node Slurm (+ slurmdbd/MariaDB for accounting: without it a cancelled job
+# leaves submitit waiting forever). Idempotent; needs root and the Debian archive. WITH_DBD=0: no accounting.
+set -euo pipefail
+WITH_DBD=${WITH_DBD:-1}
+PKGS="munge slurmctld slurmd slurm-client"
+[ "$WITH_DBD" = 1 ] && PKGS="$PKGS slurmdbd mariadb-server"
+missing=""
+for p in $PKGS; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || missing="$missing $p"; done
+[ -z "$missing" ] && exit 0
+[ "$(id -u)" = 0 ] || { echo "install.sh: root needed to apt-get install$missing" >&2; exit 1; }
+echo "eaglelab: apt-get install$missing" >&2
+made_policy=0
+if [ ! -e /usr/sbin/policy-rc.d ]; then   # keep postinst scripts from starting services
+  printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; made_policy=1
+fi
+trap '[ "$made_policy" = 1 ] && rm -f /usr/sbin/policy-rc.d' EXIT
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends $missing >/dev/null

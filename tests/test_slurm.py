@@ -1,0 +1,141 @@
+"""Against a real single-node Slurm that this module starts and stops (slurm/dev-cluster/): a 2×2 grid through
+`hydra/launcher=slurm`, an Optuna sweep with 2 trials at a time, a trial preempted (USR2, as Slurm signals it)
+that submitit requeues and that resumes to the uninterrupted result, and a wrong partition refused before
+anything is queued. Needs root (the daemons) and the Debian packages scripts/setup.sh installs."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import ROOT, run_cli
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import preemption  # noqa: E402
+
+CLUSTER = ROOT / "slurm" / "dev-cluster"
+# Jobs on the test node: no GPUs, one CPU each (two run side by side on 2 cores).
+SLURM = ["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=null", "hydra.launcher.cpus_per_task=1",
+         "hydra.launcher.mem_gb=2", "hydra.launcher.timeout_min=30"]
+QUICK = ["experiment=smoke", "train.epochs=1", "eval.suites.drift.enabled=false",
+         "eval.suites.extrapolation.enabled=false", "train.num_threads=1"]
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("slurmctld") is None,
+                                reason="the throw-away Slurm needs root and the Slurm packages (scripts/setup.sh)")
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    # munged wants every folder above its socket world-searchable: not pytest's 700 tmp folders.
+    root = Path(tempfile.mkdtemp(prefix="eaglelab-slurm-"))
+    root.chmod(0o755)
+    env = {**os.environ, "SLURM_TEST_ROOT": str(root), "SMOKE": "0"}
+    started = subprocess.run(["bash", str(CLUSTER / "start.sh")], env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(root / "slurm.conf")
+    yield root
+    subprocess.run(["bash", str(CLUSTER / "stop.sh"), "--purge"], env=env, capture_output=True, timeout=120)
+    shutil.rmtree(root, ignore_errors=True)
+    if old is None:
+        os.environ.pop("SLURM_CONF", None)
+    else:
+        os.environ["SLURM_CONF"] = old
+
+
+def _sacct(*fields: str) -> list[list[str]]:
+    out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", ",".join(fields)], capture_output=True, text=True,
+                         check=True).stdout
+    return [line.split("|") for line in out.splitlines() if line]
+
+
+def test_grid_2x2_through_the_slurm_launcher(slurm, cache_dir, tmp_path):
+    sweep = tmp_path / "grid"
+    proc = run_cli(["-m", *QUICK, *SLURM, "+ablation=eagle3_1,eagle3", "train.seed=0,1", f"hydra.sweep.dir={sweep}"],
+                   cache_dir, tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = sorted(sweep.glob("*/metrics.json"))
+    assert len(runs) == 4
+    labels = {(json.loads((r.parent / "run.json").read_text())["variant"],
+               json.loads((r.parent / "run.json").read_text())["seed"]) for r in runs}
+    assert labels == {("eagle3.1", 0), ("eagle3.1", 1), ("eagle3", 0), ("eagle3", 1)}
+    ours = {p.name.split("_")[0] for p in (sweep / ".submitit").iterdir()}  # this sweep's array job(s)
+    for _ in range(150):  # submitit returns as soon as the results are written; accounting follows shortly
+        tasks = [state for job_id, state in _sacct("JobID", "State") if job_id.split("_")[0] in ours]
+        if tasks.count("COMPLETED") == 4:
+            break
+        time.sleep(0.2)
+    assert tasks == ["COMPLETED"] * 4, tasks
+
+
+def test_optuna_sweep_with_two_parallel_jobs(slurm, cache_dir, tmp_path):
+    db = tmp_path / "study.db"
+    proc = run_cli(["-m", "+sweep=optuna_search", *QUICK, *SLURM, f"hydra.sweeper.storage=sqlite:///{db}",
+                    "hydra.sweeper.study_name=slurm", "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=2",
+                    f"hydra.sweep.dir={tmp_path / 'study'}"], cache_dir, tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import optuna
+
+    study = optuna.load_study(study_name="slurm", storage=f"sqlite:///{db}")
+    assert [t.state.name for t in study.trials].count("COMPLETE") == 4
+    # Two trials at a time: each batch was one Slurm job array of 2 tasks, and the two ran side by side.
+    arrays = {}
+    for job_id, start, end in _sacct("JobID", "Start", "End"):
+        if "_" in job_id:
+            arrays.setdefault(job_id.split("_")[0], []).append((start, end))
+    pairs = [v for v in arrays.values() if len(v) == 2]
+    assert len(pairs) >= 2
+    assert any(max(s for s, _ in p) < min(e for _, e in p) for p in pairs)  # overlapping in time
+
+
+def test_preempted_trial_is_requeued_and_resumes_to_the_same_result(slurm, cache_dir, tmp_path):
+    """USR2 mid-training: submitit checkpoints (Hydra's launcher resubmits the same trial), requeues the job,
+    the job starts again in the same run directory and resumes from lightning/last.ckpt."""
+    overrides = ["train.num_threads=1"]
+    reference = tmp_path / "reference"
+    preemption.run_to_end(reference, cache_dir, overrides)
+    sweep = tmp_path / "preempted"
+    cmd = [sys.executable, str(ROOT / "src" / "run.py"), "-m", *preemption.BASE, *overrides, *SLURM,
+           f"hydra.sweep.dir={sweep}"]
+    env = {**os.environ, "EAGLELAB_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1"}
+    sweeper = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 600
+    ckpt = None
+    while time.time() < deadline and sweeper.poll() is None:
+        found = list(sweep.glob("*/lightning/last.ckpt"))
+        if found and preemption.checkpoint_step(found[0]) >= 6:
+            ckpt = found[0]
+            break
+        time.sleep(0.1)
+    assert ckpt is not None, "the trial never reached step 6"
+    job_id = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True).stdout.split()[0]
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    out, err = sweeper.communicate(timeout=900)
+    assert sweeper.returncode == 0, err[-3000:]
+    run_dir = ckpt.parent.parent
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["status"] == "complete" and info["attempt"] == 2
+    restarts = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+    assert "Restarts=1" in restarts, restarts  # Slurm requeued the same job (submitit's doing)
+    a, b = load_file(run_dir / "drafter" / "model.safetensors"), load_file(reference / "drafter" / "model.safetensors")
+    assert all((a[k] == b[k]).all() for k in a)
+    weights, metrics, differ = preemption.compare(run_dir, reference)
+    assert weights and metrics, differ
+
+
+def test_unknown_partition_is_refused_before_submission(slurm, cache_dir, tmp_path):
+    before = len(_sacct("JobID"))
+    proc = run_cli(["-m", *QUICK, *SLURM, "hydra.launcher.partition=nope", "train.seed=0,1",
+                    f"hydra.sweep.dir={tmp_path / 'sweep'}"], cache_dir, tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == ("error: Slurm partition 'nope' does not exist; set "
+                                                    "hydra.launcher.partition to one of: debug")
+    assert len(_sacct("JobID")) == before and not (tmp_path / "sweep" / ".submitit").exists()

@@ -1,0 +1,196 @@
+"""Sweeps without a cluster: the ready grids compose, runs resume to the uninterrupted result after kills,
+2-process DDP equals 1 process with the same global batch, several processes share one Optuna study, and sweep
+mistakes fail before anything runs. (The same on a real Slurm: tests/test_slurm.py.)"""
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import ROOT, compose, run_cli
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import preemption  # noqa: E402 — the benchmark's kill-and-resume, the same code the closing figures come from
+
+# A cheap trial: the smoke loop, one epoch, no suites.
+QUICK = ["experiment=smoke", "train.epochs=1", "eval.suites.drift.enabled=false",
+         "eval.suites.extrapolation.enabled=false"]
+
+
+def _grid(sweep: str) -> list[list[str]]:
+    """The trials a sweep config expands to (Hydra's own override grammar and sweep iteration)."""
+    import itertools
+
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = hydra_compose("config", overrides=[f"+sweep={sweep}"], return_hydra_config=True)
+    params = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in cfg.hydra.sweeper.params.items()])
+    axes = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] for o in params]
+    return [list(combo) for combo in itertools.product(*axes)]
+
+
+@pytest.mark.parametrize("sweep, trials, keys", [("ablation_grid", 12, ("variant", "seed")),
+                                                  ("ttt_grid", 16, ("variant", "ttt_steps"))])
+def test_ready_grids_expand_to_distinct_valid_trials(sweep, trials, keys, cache_dir, tmp_path):
+    grid = _grid(sweep)
+    assert len(grid) == trials
+    seen = set()
+    for overrides in grid:
+        cfg = compose(overrides, cache_dir, tmp_path)
+        seen.add((cfg.variant, cfg.train.seed if "seed" in keys else cfg.train.ttt_steps))
+    assert len(seen) == trials  # every trial is a different (variant, seed|depth)
+    assert {v for v, _ in seen} == {"eagle3.1", "no_fc_norm", "no_norm_output", "eagle3"}
+
+
+def test_killed_runs_resume_to_the_uninterrupted_result(cache_dir, tmp_path):
+    """SIGKILL mid-epoch (resumes from the step checkpoint, mid-epoch sampler position) and SIGTERM during
+    evaluation (training is not redone): weights bitwise and metrics equal to the uninterrupted run."""
+    rows = preemption.measure(["mid_epoch3", "evaluate"], tmp_path, cache_dir, [])
+    for row in rows:
+        assert row["attempts"] == 2, row
+        assert row["weights_identical"] and row["metrics_identical"], row
+    assert rows[0]["killed_at_step"] is not None and 0 < rows[0]["killed_at_step"] < preemption.STEPS_PER_EPOCH * 4
+    assert rows[1]["status_after_kill"] == "interrupted"  # SIGTERM: recorded as interrupted, cleanly
+    resumed = tmp_path / "mid_epoch3"
+    # The interrupted attempt's log is kept, and the merged log has no step twice (replayed steps are not doubled).
+    assert (resumed / "logs" / "metrics.attempt1.csv").exists()
+    import csv
+
+    with open(resumed / "logs" / "metrics.csv") as f:
+        steps = [int(r["step"]) for r in csv.DictReader(f) if r.get("train/loss")]
+    assert steps and steps == sorted(set(steps))
+    # A finished run started again is returned as it is, not re-run.
+    before = (resumed / "metrics.json").stat().st_mtime_ns
+    preemption.run_to_end(resumed, cache_dir, [])
+    assert (resumed / "metrics.json").stat().st_mtime_ns == before
+
+
+def test_same_run_dir_with_another_config_is_refused(cache_dir, tmp_path):
+    run_dir = tmp_path / "trial"
+    first = run_cli([*QUICK, f"hydra.run.dir={run_dir}"], cache_dir, tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    other = run_cli([*QUICK, "train.seed=7", f"hydra.run.dir={run_dir}"], cache_dir, tmp_path)
+    assert other.returncode == 2
+    assert "another configuration" in other.stderr and "train" in other.stderr.strip().splitlines()[-1]
+
+
+def test_two_process_ddp_equals_one_process_with_the_same_global_batch(cache_dir, tmp_path):
+    """Lightning DDP on CPU (gloo), 2 processes × batch 2 vs 1 process × batch 4: same batches, same loss
+    normalisation (by the global count), so the same weights up to float summation order."""
+    common = ["experiment=smoke", "train.epochs=2", "train.precision=32-true", "eval.suites.drift.enabled=false",
+              "train.num_threads=1"]
+    one = run_cli([*common, "train.batch_size=4", f"hydra.run.dir={tmp_path / 'one'}"], cache_dir, tmp_path)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = run_cli([*common, "train.batch_size=2", "train.devices=2", "train.strategy=ddp",
+                   f"hydra.run.dir={tmp_path / 'two'}"], cache_dir, tmp_path)
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert two.stdout.count("run_dir:") == 1  # only process 0 reports (and writes) results
+    a, b = (load_file(tmp_path / d / "drafter" / "model.safetensors") for d in ("one", "two"))
+    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    assert worst < 1e-4, worst
+    ma, mb = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("one", "two"))
+    assert ma["train/steps"] == mb["train/steps"]
+    assert abs(ma["train/loss"] - mb["train/loss"]) < 1e-4
+    assert ma["val/acceptance_length@k3"] == pytest.approx(mb["val/acceptance_length@k3"], abs=1e-6)
+    logged = (tmp_path / "two" / "logs" / "metrics.csv").read_text()
+    assert logged.count("\n") > 2  # rank 0 logged
+
+
+def _study(db: Path, name: str):
+    con = sqlite3.connect(db)
+    rows = con.execute("SELECT t.number, t.state FROM trials t JOIN studies s ON t.study_id = s.study_id "
+                       "WHERE s.study_name = ? ORDER BY t.number", (name,)).fetchall()
+    con.close()
+    return rows
+
+
+def test_processes_share_one_study_and_a_killed_trial_is_redone(cache_dir, tmp_path):
+    """One study of 4 trials in sqlite: a sweep process is killed in its first trial; a second process, started
+    after the kill, notices the stopped heartbeat, marks that trial FAIL, runs it again, and the study ends with
+    exactly 4 finished trials. Running the command again finds the budget met and runs nothing. (Processes
+    running side by side: benchmarks/study_concurrency.py, 4 × 8 trials.)"""
+    db = tmp_path / "study.db"
+    cmd = [sys.executable, str(ROOT / "src" / "run.py"), "-m", "+sweep=optuna_search", *QUICK,
+           f"hydra.sweeper.storage=sqlite:///{db}", "hydra.sweeper.study_name=shared", "hydra.sweeper.n_trials=4",
+           "hydra.sweeper.heartbeat_interval=1", "hydra.sweeper.grace_period=4",
+           f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    env = {**os.environ, "EAGLELAB_CACHE_DIR": str(cache_dir), "EAGLELAB_RESULTS_DIR": str(tmp_path)}
+    victim = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (db.exists() and any(s == "RUNNING" for _, s in _study(db, "shared"))):
+        time.sleep(0.2)
+    time.sleep(2)  # well inside its first trial
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    survivor = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert survivor.returncode == 0, survivor.stderr[-3000:]
+    states = [s for _, s in _study(db, "shared")]
+    assert states.count("COMPLETE") == 4
+    assert states[0] == "FAIL" and states.count("FAIL") == 1  # the killed trial, marked by the survivor
+    assert "RUNNING" not in states and "WAITING" not in states
+    runs = sorted((tmp_path / "sweep").glob("trial*/metrics.json"))
+    assert len(runs) == 4  # one run directory per finished trial, none shared
+    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and [s for _, s in _study(db, "shared")] == states  # nothing re-run
+
+
+@pytest.mark.parametrize("args, message", [
+    (["hydra/launcher=nowhere"], "hydra/launcher"),
+    (["+sweep=optuna_search", "hydra.sweeper.storage=sqlite:////nonexistent/dir/study.db"],
+     "storage directory /nonexistent/dir does not exist"),
+    (["train.sed=0,1"], "train.sed"),
+    (["drafter.fc_nrom=true,false"], "fc_nrom"),
+    (["train.loss=ce,mse"], "train.loss='mse'"),  # every value of the grid is checked, not only the first
+])
+def test_sweep_mistakes_fail_before_anything_runs(args, message, cache_dir, tmp_path):
+    proc = run_cli(["-m", *QUICK, f"hydra.sweep.dir={tmp_path / 'sweep'}", *args], cache_dir, tmp_path, timeout=120)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr[-1500:]
+    assert not any((tmp_path / "sweep").glob("*/run.json"))  # no trial started
+
+
+def test_resumed_run_continues_the_same_wandb_run(cache_dir, tmp_path):
+    """logger=wandb (offline): a run killed mid-training and resumed logs to the same W&B run id."""
+    run_dir = tmp_path / "wb"
+    env_before = os.environ.get("WANDB_MODE")
+    os.environ["WANDB_MODE"] = "offline"
+    try:
+        preemption.kill_at("mid_epoch3", run_dir, cache_dir, ["logger=wandb"])
+        run_id = (run_dir / "wandb" / "run_id").read_text().strip()
+        preemption.run_to_end(run_dir, cache_dir, ["logger=wandb"])
+    finally:
+        if env_before is None:
+            os.environ.pop("WANDB_MODE")
+        else:
+            os.environ["WANDB_MODE"] = env_before
+    assert (run_dir / "wandb" / "run_id").read_text().strip() == run_id
+    runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.name.endswith(run_id) for r in runs)  # both attempts: one W&B run id
+    assert json.loads((run_dir / "run.json").read_text())["attempt"] == 2
+
+
+def test_interrupted_attempts_logs_merge_with_every_step_once(tmp_path):
+    """A SIGTERM flushes log rows past the last checkpoint; the resumed attempt logs those steps again. The
+    merged metrics.csv keeps each attempt's rows only before the step the next attempt resumed from."""
+    from eaglelab.io import write_csv
+    from eaglelab.pipeline import merge_logs
+
+    write_csv(tmp_path / "metrics.attempt1.csv", [{"step": s, "train/loss": 10 - s} for s in (4, 9, 14)])
+    write_csv(tmp_path / "metrics.attempt2.csv", [{"step": s, "train/loss": 20 - s} for s in (9, 14, 19)])
+    write_csv(tmp_path / "metrics.csv", [{"step": s, "train/loss": 30 - s} for s in (14, 19, 24)])
+    merge_logs(tmp_path)
+    import csv
+
+    with open(tmp_path / "metrics.csv") as f:
+        rows = [(int(r["step"]), float(r["train/loss"])) for r in csv.DictReader(f)]
+    assert rows == [(4, 6.0), (9, 11.0), (14, 16.0), (19, 11.0), (24, 6.0)]
