@@ -454,15 +454,13 @@ def readable_checkpoint(ckpt: Path) -> dict | None:
         return None
 
 
-def keep_previous_log(run_dir: Path) -> Path | None:
-    """Lightning's CSV logger starts metrics.csv afresh: set the interrupted attempt's rows aside first."""
+def keep_previous_log(run_dir: Path) -> None:
+    """Lightning's CSV logger starts metrics.csv afresh: set the interrupted attempt's rows aside first
+    (`merge_logs` joins them back once training ends)."""
     current = run_dir / "logs" / "metrics.csv"
-    if not current.exists():
-        return None
-    n = len(list(current.parent.glob("metrics.attempt*.csv"))) + 1
-    kept = current.with_name(f"metrics.attempt{n}.csv")
-    current.rename(kept)
-    return kept
+    if current.exists():
+        n = len(list(current.parent.glob("metrics.attempt*.csv"))) + 1
+        current.rename(current.with_name(f"metrics.attempt{n}.csv"))
 
 
 def merge_logs(logs: Path) -> None:
