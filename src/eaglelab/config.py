@@ -170,8 +170,9 @@ class LoggerConfig:
     kind: str = "csv"  # csv | wandb (CSV as well) | none
     project: str = "eaglelab"
     entity: str | None = None
-    group: str | None = None  # e.g. the sweep: runs of one sweep side by side in W&B
+    group: str | None = None  # null: the sweep's folder name in a multirun (runs of one sweep side by side)
     mode: str = "offline"  # offline (sync later with `wandb sync`) | online | disabled
+    init_timeout_s: float = 60.0  # online: how long to wait for the server before logging offline instead
 
 
 @dataclass

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import platform
 import time
 import traceback
@@ -102,19 +101,10 @@ def _loggers(cfg: RunConfig, run_dir: Path):
     if cfg.logger.kind == "none":
         return False
     loggers = [CSVLogger(save_dir=str(run_dir), name="logs", version="")]
-    if cfg.logger.kind == "wandb":
-        from lightning.pytorch.loggers import WandbLogger
+    if cfg.logger.kind == "wandb" and is_primary():  # only process 0 logs to W&B
+        from eaglelab.tracking import training_logger
 
-        # The W&B run id lives in the run directory, so a requeued trial continues the same W&B run.
-        id_file = run_dir / "wandb" / "run_id"
-        if not is_primary():
-            return loggers  # only process 0 logs to W&B (and creates the id)
-        if not id_file.exists():
-            atomic_write_text(id_file, os.urandom(8).hex() + "\n")
-        loggers.append(WandbLogger(project=cfg.logger.project, entity=cfg.logger.entity, group=cfg.logger.group,
-                                   name=run_dir.name, id=id_file.read_text().strip(), resume="allow",
-                                   save_dir=str(run_dir), mode=cfg.logger.mode, tags=[cfg.variant],
-                                   config=asdict(cfg)))
+        loggers.append(training_logger(cfg, run_dir))
     return loggers
 
 
@@ -184,10 +174,23 @@ def run(cfg: RunConfig) -> Path:
             info["traceback"] = traceback.format_exc()
         atomic_write_json(run_dir / "run.json", info)
         raise
+    if cfg.logger.kind == "wandb":
+        _log_to_wandb(cfg, run_dir, metrics, info)
     info.update(status="complete", finished=time.time())
     atomic_write_json(run_dir / "run.json", info)
     atomic_write_json(run_dir / "metrics.json", metrics)  # last: marks the run complete
     return run_dir
+
+
+def _log_to_wandb(cfg: RunConfig, run_dir: Path, metrics: dict, info: dict) -> None:
+    """W&B is a view of the results, not the results: a failure to log is reported, the run still completes."""
+    from eaglelab.tracking import log_results
+
+    try:
+        log_results(cfg, run_dir, metrics)
+    except Exception as e:  # noqa: BLE001
+        log.warning("W&B logging failed (%s: %s); the run's results are complete in %s", type(e).__name__, e, run_dir)
+        info["wandb_error"] = f"{type(e).__name__}: {e}"
 
 
 def previous_attempt(cfg: RunConfig, run_dir: Path) -> dict:

@@ -1,0 +1,168 @@
+"""The results store as data: every finished run directory under the given roots, grouped into setups.
+
+A *setup* is everything a run's config.yaml says except its seed (and where it was written): the runs of
+one setup are the seeds of one experiment, which the tables and figures aggregate (mean ± 95% CI or ± SE).
+A setup is labelled by its variant plus whatever else differs between the setups found (`eagle3 ttt_steps=2`).
+Reads only what docs/results_layout.md lists; a directory that is not a readable finished run is named
+(with the reason) and skipped, never half-used.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import yaml
+from scipy import stats
+
+# Config keys that do not change what was measured (where results went, how they were logged).
+NOT_SETUP = ("train.seed", "run_dir", "paths.", "logger.", "checkpoint", "hydra.", "objective")
+RESULT_TABLES = ["acceptance.csv", "per_position.csv", "throughput.csv", "suites/extrapolation.csv",
+                 "suites/long_context.csv", "suites/templates.csv", "suites/drift.csv", "suites/fc_balance.csv"]
+
+
+class StoreError(Exception):
+    """The store holds nothing usable (the message names what to pass instead)."""
+
+
+@dataclass
+class Run:
+    dir: Path
+    variant: str
+    seed: int
+    ttt: int
+    config: dict  # flattened config.yaml ("train.ttt_steps": 3, ...), without `resolved`
+    metrics: dict
+    tables: dict[str, pd.DataFrame] = field(default_factory=dict)  # "acceptance", "suites/drift", ...
+    setup: str = ""  # label, set by `load`
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = tuple(v) if isinstance(v, list) else v
+    return out
+
+
+def read_run(run_dir: Path) -> Run:
+    """One finished run directory; raises ValueError naming what is wrong with it."""
+    if not (run_dir / "metrics.json").is_file():
+        try:
+            info = json.loads((run_dir / "run.json").read_text())
+        except (OSError, ValueError):
+            info = {}
+        status = info.get("status", "unknown")
+        why = f" ({info['error'].splitlines()[0]})" if info.get("error") else ""
+        raise ValueError(f"no metrics.json: not a finished run (run.json status: {status}{why})")
+    try:
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+        config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except FileNotFoundError as e:
+        raise ValueError(f"{Path(e.filename).name} is missing") from None
+    except (ValueError, yaml.YAMLError) as e:
+        raise ValueError(f"unreadable result file ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    if not isinstance(metrics, dict) or not isinstance(config, dict):
+        raise ValueError("metrics.json or config.yaml does not hold a mapping")
+    if "suites" not in (config.get("eval") or {}):
+        raise ValueError("written by an older eaglelab (config.yaml has no eval.suites): re-evaluate it with "
+                         f"`python src/run.py checkpoint={run_dir}`")
+    config.pop("resolved", None)
+    flat = flatten(config)
+    ttt = int(flat["train.ttt_steps"])
+    if f"acceptance_length@k{ttt}" not in metrics:
+        raise ValueError(f"metrics.json has no acceptance_length@k{ttt}")
+    tables = {}
+    for name in RESULT_TABLES:
+        if (run_dir / name).is_file():
+            try:
+                tables[name.removesuffix(".csv")] = pd.read_csv(run_dir / name)
+            except (ValueError, pd.errors.ParserError) as e:
+                raise ValueError(f"{name} is unreadable ({str(e).splitlines()[0]})") from None
+    return Run(run_dir, str(flat.get("variant")), int(flat["train.seed"]), ttt, flat, metrics, tables)
+
+
+def find_run_dirs(roots: list[Path]) -> list[Path]:
+    """Run directories (those holding a run.json or metrics.json) under each root, or the roots themselves."""
+    found = []
+    for root in roots:
+        if not root.exists():
+            raise StoreError(f"{root} does not exist; pass a results directory (e.g. results/) or run directories")
+        marks = [p.parent for name in ("run.json", "metrics.json") for p in root.rglob(name)]
+        found += sorted({d for d in marks if "wandb" not in d.parts and "drafter" not in d.parts})
+    return list(dict.fromkeys(found))
+
+
+def load(roots: list[Path], warn=lambda msg: print(msg, file=sys.stderr)) -> list[Run]:
+    """Every finished run under `roots`, with its setup label; each skipped directory is named with its reason."""
+    runs = []
+    for run_dir in find_run_dirs([Path(r) for r in roots]):
+        try:
+            runs.append(read_run(run_dir))
+        except ValueError as e:
+            warn(f"skipped {run_dir}: {e}")
+    if not runs:
+        raise StoreError(f"no finished run under {', '.join(map(str, roots))}; a run is finished when its "
+                         "directory holds metrics.json (`python src/run.py ...` writes one)")
+    def by_variant(k):  # a key the variant fixes (its ablation flags) says nothing the variant does not
+        return all(len({repr(r.config.get(k)) for r in runs if r.variant == v}) == 1 for v in {r.variant for r in runs})
+
+    differing = sorted(k for k in set().union(*(r.config for r in runs))
+                       if not k.startswith(NOT_SETUP) and k != "variant"
+                       and len({repr(r.config.get(k)) for r in runs}) > 1 and not by_variant(k))
+    last = [k.split(".")[-1] for k in differing]
+    names = {k: (k.split(".")[-1] if last.count(k.split(".")[-1]) == 1 else k) for k in differing}
+    for r in runs:
+        extras = " ".join(f"{names[k]}={_short(r.config.get(k))}" for k in differing)
+        r.setup = f"{r.variant} {extras}".strip()
+    return sorted(runs, key=lambda r: (r.setup, r.seed))
+
+
+def load_or_exit(roots: list[Path]) -> list[Run]:
+    """`load` for a command line: no finished run is one `error:` line and exit status 2."""
+    try:
+        return load(roots)
+    except StoreError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _short(value) -> str:
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+def setups(runs: list[Run]) -> dict[str, list[Run]]:
+    """setup label -> its runs (seeds), in a stable order: EAGLE-3.1 first, plain EAGLE-3 last."""
+    order = {"eagle3.1": 0, "no_fc_norm": 1, "no_norm_output": 2, "norm_before_fc": 3, "eagle3": 9}
+    out: dict[str, list[Run]] = {}
+    for r in sorted(runs, key=lambda r: (order.get(r.variant, 5), r.setup, r.seed)):
+        out.setdefault(r.setup, []).append(r)
+    return out
+
+
+def mean_ci(values: list[float], level: float = 0.95) -> tuple[float, float, float, int]:
+    """(mean, half-width of the Student-t confidence interval, standard error, n) over seeds; NaNs dropped."""
+    xs = [float(v) for v in values if v is not None and not math.isnan(float(v))]
+    n = len(xs)
+    if n == 0:
+        return math.nan, math.nan, math.nan, 0
+    mean = sum(xs) / n
+    if n == 1:
+        return mean, math.nan, math.nan, 1
+    se = stats.sem(xs)
+    return mean, float(se * stats.t.ppf((1 + level) / 2, n - 1)), float(se), n
+
+
+def aggregate(frames: list[pd.DataFrame], by: list[str], value: str) -> pd.DataFrame:
+    """One row per `by` value: mean, standard error and n of `value` over the runs (one frame per seed)."""
+    df = pd.concat(frames, ignore_index=True)
+    g = df.groupby(by, sort=True)[value]
+    out = g.agg(mean="mean", n="count").reset_index()
+    out["se"] = g.sem().fillna(0.0).values  # one seed: no spread to show
+    return out

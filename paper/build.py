@@ -1,0 +1,213 @@
+"""Regenerate the paper from the results store: figures, tables, every number in the text, and paper.pdf.
+
+    python paper/build.py [RESULTS ...] [--no-pdf]          # default RESULTS: results/   (make paper)
+
+Writes paper/figures/*.{pdf,png} (analysis/figures.py), paper/tables/*.{tex,md,csv} (analysis/compare.py
+and the per-condition tables), paper/generated/numbers.tex (every number the text quotes, as \\val{KEY}{NAME})
+and builds paper/paper.pdf with latexmk. Everything is built in a staging folder and moved into place only
+when all of it succeeded: a failed build leaves the previous paper as it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+PAPER = Path(__file__).resolve().parent
+ROOT = PAPER.parent
+sys.path.insert(0, str(ROOT / "analysis"))
+from compare import COLUMNS, cell, comparison, markdown, shown_columns, write  # noqa: E402
+from figures import _frames, draw_all  # noqa: E402
+from store import Run, StoreError, load, mean_ci, setups  # noqa: E402
+
+OUTPUTS = ["figures", "tables", "generated", "paper.pdf"]
+LATEX_HINT = ("latexmk not found: install LaTeX with `sudo apt-get install latexmk texlive-latex-recommended "
+              "texlive-fonts-recommended` (`make paper` does, as root), or pass --no-pdf")
+# The two tables of the paper: acceptance (what the drafter buys) and robustness (how it holds when shifted).
+ACCEPTANCE = ["tau", "tau_2ttt", "extrapolation", "val_tau", "vllm_tau", "vllm_speedup_c1", "params_m"]
+ROBUSTNESS = ["long_vs_short", "worst_template", "context_share_deep", "rms_growth"]
+
+
+def tex_escape(text: str) -> str:
+    return str(text).replace("\\", "/").replace("_", r"\_").replace("%", r"\%").replace("&", r"\&").replace("#", r"\#")
+
+
+def latex_table(rows: list[dict], keys: list[str], reference: str | None) -> str:
+    """A booktabs tabular: one row per setup, mean ± 95% CI over its seeds."""
+    keys = [k for k in keys if k in shown_columns(rows)]
+    head = ["setup", "$n$", *(COLUMNS[k][1] for k in keys)]
+    head += [rf"$\tau$ / {tex_escape(reference)}"] if reference else []
+    lines = [r"\begin{tabular}{l" + "r" * (len(head) - 1) + "}", r"\toprule", " & ".join(head) + r" \\", r"\midrule"]
+    for r in rows:
+        cells = [tex_escape(r["setup"]), str(r["seeds"]), *(cell(r, k, COLUMNS[k][2], pm=r" $\pm$ ") for k in keys)]
+        if reference:
+            cells.append("--" if math.isnan(r["tau_vs_reference"]) else f"{r['tau_vs_reference']:.3f}")
+        lines.append(" & ".join(c.replace("–", "--") for c in cells) + r" \\")
+    return "\n".join([*lines, r"\bottomrule", r"\end{tabular}"]) + "\n"
+
+
+def condition_table(runs: list[Run], table: str, column: str, label: str) -> tuple[str, str] | None:
+    """Setups × conditions (template condition or context length) at k = ttt_steps, simulated evaluator:
+    mean ± 95% CI over seeds. Returns (LaTeX, markdown) or None when no run measured it."""
+    groups = setups(runs)
+    cells: dict[str, dict[str, str]] = {}
+    conditions: list[str] = []
+    for setup, members in groups.items():
+        for frame in _frames(members, table, evaluator="simulated", k=lambda r: r.ttt):
+            for condition in frame["condition"].astype(str):
+                if condition not in conditions:
+                    conditions.append(condition)
+        for condition in conditions:
+            values = [float(f[f["condition"].astype(str) == condition][column].iloc[0])
+                      for f in _frames(members, table, evaluator="simulated", k=lambda r: r.ttt)
+                      if (f["condition"].astype(str) == condition).any()]
+            mean, ci, _, n = mean_ci(values)
+            if n:
+                cells.setdefault(setup, {})[condition] = f"{mean:.3f}" + ("" if math.isnan(ci) else f" ± {ci:.3f}")
+    if not cells:
+        return None
+    tex = [r"\begin{tabular}{l" + "r" * len(conditions) + "}", r"\toprule",
+           " & ".join([label, *map(tex_escape, conditions)]) + r" \\", r"\midrule"]
+    md = ["| " + " | ".join([label, *conditions]) + " |", "|" + "---|" * (len(conditions) + 1)]
+    for setup, row in cells.items():
+        values = [row.get(c, "–") for c in conditions]
+        tex.append(" & ".join([tex_escape(setup), *(v.replace("±", r"$\pm$").replace("–", "--") for v in values)])
+                   + r" \\")
+        md.append("| " + " | ".join([setup, *values]) + " |")
+    return "\n".join([*tex, r"\bottomrule", r"\end{tabular}"]) + "\n", "\n".join(md) + "\n"
+
+
+def _fmt(value, decimals: int = 3) -> str:
+    if isinstance(value, float):
+        return "--" if math.isnan(value) else f"{value:.{decimals}f}"
+    return tex_escape(value)
+
+
+def numbers(runs: list[Run], rows: list[dict], skipped: int) -> str:
+    """numbers.tex: \\val{setup or variant}{name} for every number the text quotes, \\val{store}{name} for the
+    setup. An unknown key prints a bold ?? (and the build still succeeds), never a stale number."""
+    first = runs[0].config
+    one = lambda key: sorted({str(r.config.get(key)) for r in runs})  # noqa: E731
+    store = {
+        "runs": str(len(runs)), "setups": str(len(rows)), "skipped": str(skipped), "cilevel": "95",
+        "seeds": "–".join(sorted({str(r["seeds"]) for r in rows}, key=int)),
+        "target": {"smollm2": "SmolLM2-135M-Instruct", "tiny": "a tiny random Llama (test target)"}.get(
+            first.get("target.kind"), str(first.get("target.name_or_path"))),
+        "ttt": ", ".join(one("train.ttt_steps")), "epochs": ", ".join(one("train.epochs")),
+        "lr": ", ".join(one("train.lr")), "batch": ", ".join(one("train.batch_size")),
+        "loss": ", ".join(one("train.loss")), "prompts": ", ".join(one("data.num_prompts")),
+        "draftvocab": ", ".join(one("drafter.draft_vocab_size")),
+        "trainseq": ", ".join(sorted({str(int(r.metrics.get("data/train_sequences", 0))) for r in runs})),
+        "evalseq": ", ".join(sorted({str(int(r.metrics.get("data/eval_sequences", 0))) for r in runs})),
+        "evaluator": "simulated and vLLM" if any("vllm/acceptance_length@k1" in r.metrics for r in runs)
+        else "simulated",
+    }
+    lines = [r"% Generated by paper/build.py from the results store. Do not edit: run `make paper`.",
+             r"\makeatletter",
+             r"\newcommand{\val}[2]{\ifcsname eaglelab@#1@#2\endcsname\csname eaglelab@#1@#2\endcsname"
+             r"\else\textbf{??}\fi}"]
+
+    def define(key: str, name: str, value: str):
+        lines.append(rf"\expandafter\def\csname eaglelab@{key}@{name}\endcsname{{{value}}}")
+
+    for name, value in store.items():
+        define("store", name, tex_escape(value))
+    variants = [r["variant"] for r in rows]
+    for r in rows:
+        keys = [r["setup"]] + ([r["variant"]] if variants.count(r["variant"]) == 1 else [])
+        for key in keys:
+            define(key, "seeds", str(r["seeds"]))
+            define(key, "vsref", _fmt(r["tau_vs_reference"]))
+            for measure, (_, _, decimals) in COLUMNS.items():
+                define(key, measure, _fmt(r[measure], decimals))
+                define(key, f"{measure}ci", _fmt(r[f"{measure}_ci95"], decimals))
+    lines.append(r"\makeatother")
+    return "\n".join(lines) + "\n"
+
+
+def generate(runs: list[Run], out: Path, skipped: int, reference: str) -> list[Path]:
+    """Figures, tables and numbers.tex under `out`; returns the files written."""
+    written = [p for png in draw_all(runs, out / "figures") for p in (png, png.with_suffix(".pdf"))]
+    rows = comparison(runs, reference)
+    tables = out / "tables"
+    written += write(rows, tables, reference)
+    for name, keys in (("acceptance", ACCEPTANCE), ("robustness", ROBUSTNESS)):
+        (tables / f"{name}.tex").write_text(latex_table(rows, keys, reference if name == "acceptance" else None))
+        written.append(tables / f"{name}.tex")
+    for name, table, column, label in (("templates", "suites/templates", "acceptance_length", "setup"),
+                                       ("long_context", "suites/long_context", "acceptance_length", "setup")):
+        if made := condition_table(runs, table, column, label):
+            (tables / f"{name}.tex").write_text(made[0])
+            (tables / f"{name}.md").write_text(made[1])
+            written += [tables / f"{name}.tex", tables / f"{name}.md"]
+    (out / "generated").mkdir(parents=True, exist_ok=True)
+    (out / "generated" / "numbers.tex").write_text(numbers(runs, rows, skipped))
+    written.append(out / "generated" / "numbers.tex")
+    print(markdown(rows, reference))
+    return written
+
+
+def build_pdf(staging: Path) -> Path:
+    """latexmk on paper.tex next to the generated files."""
+    if not shutil.which("latexmk"):
+        raise StoreError(LATEX_HINT)
+    shutil.copy(PAPER / "paper.tex", staging / "paper.tex")
+    proc = subprocess.run(["latexmk", "-pdf", "-interaction=nonstopmode", "-halt-on-error", "paper.tex"],
+                          cwd=staging, capture_output=True, text=True)
+    if proc.returncode != 0:
+        log = staging / "paper.log"
+        errors = [line for line in (log.read_text(errors="replace").splitlines() if log.exists() else [])
+                  if line.startswith("!")]
+        raise StoreError(f"latexmk failed ({errors[0] if errors else proc.stdout[-300:]}); see paper.log")
+    return staging / "paper.pdf"
+
+
+def install(staging: Path, out: Path) -> None:
+    """Swap the new outputs in: each old one is renamed away first, then the new one renamed into place."""
+    trash = Path(tempfile.mkdtemp(prefix=".old-", dir=out))
+    for name in OUTPUTS:
+        if (staging / name).exists():
+            if (out / name).exists():
+                os.replace(out / name, trash / name)
+            os.replace(staging / name, out / name)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("roots", nargs="*", type=Path, default=[ROOT / "results"],
+                    help="results directories or run directories (default: results/)")
+    ap.add_argument("--reference", default="eagle3", help="variant the τ ratios are taken against")
+    ap.add_argument("--no-pdf", action="store_true", help="figures, tables and numbers only (no LaTeX needed)")
+    ap.add_argument("--out", type=Path, default=PAPER, help="where figures/, tables/, generated/ and paper.pdf go")
+    args = ap.parse_args(argv)
+    skipped: list[str] = []
+    args.out.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".build-", dir=args.out))
+    try:
+        runs = load(args.roots, warn=lambda msg: (skipped.append(msg), print(msg, file=sys.stderr)))
+        written = generate(runs, staging, len(skipped), args.reference)
+        if not args.no_pdf:
+            written.append(build_pdf(staging))
+        install(staging, args.out)
+    except StoreError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if (staging / "paper.log").exists():  # LaTeX's log, kept for a failed build too
+            shutil.copy(staging / "paper.log", args.out / "paper.log")
+        shutil.rmtree(staging, ignore_errors=True)
+    print(f"{len(runs)} runs ({len(skipped)} directories skipped) ->")
+    for path in written:
+        print("  ", args.out / path.relative_to(staging))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
