@@ -34,6 +34,8 @@ POINTS = {  # name: (what must exist before the kill, the step the checkpoint mu
     "epoch_end": ("lightning/last.ckpt", STEPS_PER_EPOCH, signal.SIGKILL),  # around the first validation
     "mid_epoch3": ("lightning/last.ckpt", 2 * STEPS_PER_EPOCH + 3, signal.SIGKILL),
     "evaluate": ("drafter/config.json", None, signal.SIGTERM),  # trained and exported, evaluating
+    "data_sigint": ("run.json", None, signal.SIGINT),  # Ctrl-C while the target loads / the data is prepared
+    "train_sigterm": ("lightning/last.ckpt", STEPS_PER_EPOCH + 2, signal.SIGTERM),  # scheduler's TERM mid-epoch
 }
 
 

@@ -53,14 +53,17 @@ def test_ready_grids_expand_to_distinct_valid_trials(sweep, trials, keys, cache_
 
 
 def test_killed_runs_resume_to_the_uninterrupted_result(cache_dir, tmp_path):
-    """SIGKILL mid-epoch (resumes from the step checkpoint, mid-epoch sampler position) and SIGTERM during
-    evaluation (training is not redone): weights bitwise and metrics equal to the uninterrupted run."""
-    rows = preemption.measure(["mid_epoch3", "evaluate"], tmp_path, cache_dir, [])
+    """SIGKILL mid-epoch (resumes from the step checkpoint, mid-epoch sampler position), SIGTERM during
+    evaluation (training is not redone), SIGINT while the data is prepared and SIGTERM mid-epoch: weights bitwise
+    and metrics equal to the uninterrupted run."""
+    rows = preemption.measure(["mid_epoch3", "evaluate", "data_sigint", "train_sigterm"], tmp_path, cache_dir, [])
     for row in rows:
         assert row["attempts"] == 2, row
         assert row["weights_identical"] and row["metrics_identical"], row
     assert rows[0]["killed_at_step"] is not None and 0 < rows[0]["killed_at_step"] < preemption.STEPS_PER_EPOCH * 4
-    assert rows[1]["status_after_kill"] == "interrupted"  # SIGTERM: recorded as interrupted, cleanly
+    # a signal (not SIGKILL) is recorded as interrupted, cleanly
+    assert [r["status_after_kill"] for r in rows[1:]] == ["interrupted"] * 3, rows
+    assert rows[2]["killed_at_step"] is None and rows[3]["killed_at_step"] >= preemption.STEPS_PER_EPOCH + 2
     resumed = tmp_path / "mid_epoch3"
     # The interrupted attempt's log is kept, and the merged log has no step twice (replayed steps are not doubled).
     assert (resumed / "logs" / "metrics.attempt1.csv").exists()

@@ -27,7 +27,7 @@ class TinyTargetConfig:
 @dataclass
 class TargetConfig:
     kind: str = "smollm2"  # smollm2 | tiny | hf
-    name_or_path: str | None = None  # kind=hf: a Hugging Face id or a local folder
+    name_or_path: str | None = None  # kind=hf: a Hugging Face id, a local folder or a .gguf file (converted once)
     dtype: str = "bfloat16"  # target forward (regeneration and capture)
     seed: int = 0  # kind=tiny: weights are a function of this seed
     tiny: TinyTargetConfig = field(default_factory=TinyTargetConfig)
@@ -62,6 +62,7 @@ class DataConfig:
     # fused in | auto: vllm when installed
     regen_backend: str = "auto"
     seed: int = 0
+    skip_empty: bool = False  # jsonl/hf rows without a user turn: an error naming the row, or skipped and counted
 
 
 @dataclass

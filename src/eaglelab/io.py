@@ -30,13 +30,21 @@ def atomic_dir(final: Path):
         raise
 
 
-def atomic_write_text(path: Path, text: str) -> None:
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)  # (reading the umask means setting it: put it back)
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path, mode: str = "w"):
+    """A file whose content appears under `path` only once complete and on disk: written to a temporary file
+    next to it (same filesystem, so the rename is atomic), fsynced, renamed over `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600: results are for the team to read, as open() would
+        with os.fdopen(fd, mode) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -44,6 +52,11 @@ def atomic_write_text(path: Path, text: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    with atomic_file(path) as f:
+        f.write(text)
 
 
 def atomic_write_json(path: Path, obj) -> None:

@@ -113,21 +113,23 @@ def _trainer(cfg: RunConfig, run_dir: Path):
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.plugins.environments import SLURMEnvironment
 
-    from eaglelab.training import FlushLogsWithCheckpoints
+    from eaglelab.training import AtomicCheckpointIO, FlushLogsWithCheckpoints, StopOnNonFinite
 
     t = cfg.train
     # submitit owns requeueing (one owner): Lightning's own SLURM auto-requeue would requeue a second time.
-    plugins = [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else None
+    plugins = [AtomicCheckpointIO()] + ([SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else [])
+    for stale in (run_dir / "lightning").glob(".*.tmp-*"):  # a killed save's temporary file: never the checkpoint
+        stale.unlink(missing_ok=True)
     return L.Trainer(
         accelerator=t.accelerator, devices=t.devices, strategy=t.strategy, precision=t.precision,
         num_nodes=t.num_nodes, plugins=plugins,
         max_epochs=t.epochs, max_steps=t.max_steps, gradient_clip_val=t.grad_clip or None,
         logger=_loggers(cfg, run_dir), log_every_n_steps=5, deterministic=True, num_sanity_val_steps=0,
         use_distributed_sampler=False,  # EpochBatches shards the batches itself (and resumes mid-epoch)
-        # One rolling checkpoint: the resume point after a preemption (Lightning writes it atomically).
+        # One rolling checkpoint: the resume point after a preemption (written atomically: AtomicCheckpointIO).
         callbacks=[ModelCheckpoint(dirpath=str(run_dir / "lightning"), filename="last", save_top_k=1,
                                    every_n_train_steps=t.checkpoint_every_n_steps, enable_version_counter=False),
-                   FlushLogsWithCheckpoints()],
+                   FlushLogsWithCheckpoints(), StopOnNonFinite()],
         enable_model_summary=False, default_root_dir=str(run_dir),
     )
 
@@ -239,6 +241,9 @@ def _run(cfg: RunConfig, run_dir: Path, info: dict) -> dict:
     backend = regen_backend(cfg)
     with timer("convert"):
         target = load_target(cfg.target, cfg.paths.cache_dir)
+    if cfg.data.max_length > target.max_context:  # longer sequences would run past the target's positions
+        raise ConfigError(f"data.max_length={cfg.data.max_length} exceeds the target's context window "
+                          f"({target.max_context} tokens); lower data.max_length")
     shared = target_tensors(target)
     loaded = None
     if cfg.checkpoint:  # evaluation only: the drafter (and its shape) come from the checkpoint
@@ -360,7 +365,7 @@ def prepare_data(cfg: RunConfig, target, model_cfg: Eagle3Config, timer: StageTi
     `evaluate=False` (a DDP helper process): the training data only."""
     eval_prompts = humaneval_prompts() if cfg.eval.prompts == "humaneval" else load_source(cfg.eval.prompts)
     eval_prompts = eval_prompts[: cfg.eval.num_prompts] if cfg.eval.num_prompts else eval_prompts
-    train_prompts = mix_sources(cfg.data.sources, cfg.data.num_prompts, cfg.data.seed)
+    train_prompts = mix_sources(cfg.data.sources, cfg.data.num_prompts, cfg.data.seed, cfg.data.skip_empty)
     held_out = {json.dumps(p, sort_keys=True) for p in eval_prompts}
     kept = [p for p in train_prompts if json.dumps(p, sort_keys=True) not in held_out]
     if len(kept) < len(train_prompts):

@@ -22,6 +22,7 @@ import logging
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -134,6 +135,17 @@ def check_storage(config: DictConfig) -> None:
               f"hydra.sweeper.storage=sqlite:///PATH/study.db (or any RDB URL)")
 
 
+def check_writable(directory: Path) -> None:
+    """Results go there: a folder that cannot be created or written to fails now, not after training."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):
+            pass
+    except OSError as e:
+        _fail(f"cannot write to {directory} ({e.strerror or type(e).__name__}); set paths.results_dir (or "
+              "EAGLELAB_RESULTS_DIR) to a writable folder")
+
+
 try:  # Hydra instantiates the callback named in conf/config.yaml
     from hydra.experimental.callback import Callback
 except ImportError:  # pragma: no cover
@@ -141,9 +153,13 @@ except ImportError:  # pragma: no cover
 
 
 class Preflight(Callback):
-    """Everything a sweep can get wrong that is knowable before a job is submitted."""
+    """Everything a run or a sweep can get wrong that is knowable before a job starts or is submitted."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        check_writable(Path(str(config.hydra.run.dir)).expanduser())
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        check_writable(Path(str(config.hydra.sweep.dir)).expanduser())
         check_slurm(config)
         check_storage(config)
         check_sweep_params(config)

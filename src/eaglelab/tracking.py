@@ -69,6 +69,7 @@ def start_run(cfg: RunConfig, run_dir: Path):
         log.warning("W&B online logging unavailable (%s: %s): logging offline instead; upload later with "
                     "`wandb sync %s/offline-run-*`", type(e).__name__, str(e).splitlines()[0] if str(e) else "",
                     run_dir / "wandb")
+        wandb.teardown()  # the failed online attempt still holds the run id in W&B's service process
         return wandb.init(**kwargs, mode="offline")
 
 

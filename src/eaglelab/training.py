@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from eaglelab.acceptance import AcceptanceCounts, simulate
@@ -24,6 +26,7 @@ from eaglelab.config import TrainConfig
 from eaglelab.data.prepare import from_bits
 from eaglelab.drafter import Eagle3Config, Eagle3Drafter
 from eaglelab.errors import TrainingError
+from eaglelab.io import atomic_file
 
 
 # --- data ------------------------------------------------------------------------------------
@@ -190,6 +193,33 @@ class FlushLogsWithCheckpoints(L.Callback):
             logger.save()
 
 
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Checkpoints written whole or not at all. Lightning's own save stages the file in the system temp
+    folder and `shutil.move`s it, which is a copy (not atomic) when that is another filesystem — node-local
+    /tmp, results on NFS: a job killed mid-copy would leave a torn last.ckpt. Here the temporary file sits
+    next to the checkpoint and is renamed over it."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        with atomic_file(Path(path), "wb") as f:
+            torch.save(checkpoint, f)
+
+
+class StopOnNonFinite(L.Callback):
+    """A non-finite gradient or weight stops training before the optimizer step or the checkpoint that would
+    keep it (Lightning runs checkpoint callbacks last): lightning/last.ckpt always holds finite weights. The
+    loss itself is checked in `training_step`, before the backward pass."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if not all(torch.isfinite(p.grad).all() for p in pl_module.parameters() if p.grad is not None):
+            raise TrainingError(f"non-finite gradient at step {trainer.global_step}; lightning/last.ckpt keeps the "
+                                "last finite weights; lower train.lr or train.grad_clip")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not all(torch.isfinite(p).all() for p in pl_module.parameters() if p.requires_grad):
+            raise TrainingError(f"non-finite weights after step {trainer.global_step}; lightning/last.ckpt keeps "
+                                "the last finite weights; lower train.lr")
+
+
 # --- the module --------------------------------------------------------------------------------
 class DrafterModule(L.LightningModule):
     def __init__(self, model_cfg: Eagle3Config, train_cfg: TrainConfig, target_head: torch.Tensor | None = None):
@@ -232,8 +262,8 @@ class DrafterModule(L.LightningModule):
     def training_step(self, batch: Batch, batch_idx: int):
         loss, losses, correct, counted = self.ttt(batch, self.train_cfg.ttt_steps)
         if not torch.isfinite(loss):
-            raise TrainingError(f"non-finite loss at step {self.global_step}; the last good checkpoint is "
-                                "kept in lightning/last.ckpt; lower train.lr or train.grad_clip")
+            raise TrainingError(f"non-finite loss at step {self.global_step}; lightning/last.ckpt keeps the last "
+                                "finite weights; lower train.lr or train.grad_clip")
         # Each process's terms are already divided by the mean count per process, so their mean over
         # processes (sync_dist) is the global figure; in one process sync_dist does nothing.
         bs = batch.input_ids.shape[0]

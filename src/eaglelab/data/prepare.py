@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +62,8 @@ def from_bits(a) -> torch.Tensor:
 def _write(path: Path, features: datasets.Features, rows, meta: dict) -> None:
     from datasets.arrow_writer import ArrowWriter
 
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):  # we hold the entry's lock: a killed writer's leftover
+        shutil.rmtree(stale, ignore_errors=True)
     with atomic_dir(path) as tmp:
         with ArrowWriter(features=features, path=str(tmp / "data.arrow")) as writer:
             for row in rows:

@@ -12,11 +12,14 @@ import importlib
 import importlib.util
 import inspect
 import json
+import logging
 import random
 import re
 from pathlib import Path
 
 from eaglelab.errors import DataError
+
+log = logging.getLogger("eaglelab")
 
 Messages = list[dict[str, str]]
 
@@ -113,11 +116,23 @@ def _conversation_from_row(row: dict, where: str) -> Messages:
         raise DataError(f"{where}: malformed conversation (each turn needs a known role and string content)")
     last_user = max((i for i, m in enumerate(conv) if m["role"] == "user"), default=None)
     if last_user is None or not conv[last_user]["content"].strip():
-        return []  # nothing to answer: counted as empty by the caller
+        return []  # nothing to answer: an error unless data.skip_empty (see _non_empty)
     return conv[: last_user + 1]
 
 
-def jsonl_prompts(path: str) -> list[Messages]:
+def _non_empty(convs: list[tuple[str, Messages]], skip_empty: bool) -> list[Messages]:
+    """The conversations with a user turn to answer. An empty one is bad input (a broken export, a filter that
+    went wrong) unless data.skip_empty=true says such rows are expected; then they are skipped and counted."""
+    empty = [where for where, conv in convs if not conv]
+    if empty and not skip_empty:
+        raise DataError(f"{empty[0]}: empty conversation (no user turn with text; {len(empty)} such rows); remove "
+                        "them or set data.skip_empty=true to skip them")
+    if empty:
+        log.warning("skipped %d empty conversations (first: %s)", len(empty), empty[0])
+    return [conv for _, conv in convs if conv]
+
+
+def jsonl_prompts(path: str, skip_empty: bool = False) -> list[Messages]:
     p = Path(path).expanduser()
     if not p.is_file():
         raise DataError(f"data source jsonl:{path}: file not found; fix the path in data.sources")
@@ -137,13 +152,11 @@ def jsonl_prompts(path: str) -> list[Messages]:
                 raise DataError(f"{p}:{lineno}: malformed JSON ({e.msg}); fix or remove that line") from None
             if not isinstance(row, dict):
                 raise DataError(f"{p}:{lineno}: expected a JSON object per line")
-            conv = _conversation_from_row(row, f"{p}:{lineno}")
-            if conv:
-                out.append(conv)
-    return out
+            out.append((f"{p}:{lineno}", _conversation_from_row(row, f"{p}:{lineno}")))
+    return _non_empty(out, skip_empty)
 
 
-def hf_prompts(spec: str) -> list[Messages]:
+def hf_prompts(spec: str, skip_empty: bool = False) -> list[Messages]:
     """`hf:PATH[:SPLIT]` — a dataset saved with `save_to_disk`, or a local dataset script/folder."""
     import datasets
 
@@ -159,7 +172,8 @@ def hf_prompts(spec: str) -> list[Messages]:
                         "folder (save_to_disk) or data files") from None
     if isinstance(ds, datasets.DatasetDict):
         ds = ds[split or next(iter(ds))]
-    return [c for i, row in enumerate(ds) if (c := _conversation_from_row(row, f"hf:{spec}[{i}]"))]
+    return _non_empty([(f"hf:{spec}[{i}]", _conversation_from_row(row, f"hf:{spec}[{i}]"))
+                       for i, row in enumerate(ds)], skip_empty)
 
 
 def humaneval_prompts() -> list[Messages]:
@@ -174,7 +188,7 @@ def humaneval_prompts() -> list[Messages]:
               f"{r['prompt']}```"}] for r in rows]
 
 
-def load_source(source: str) -> list[Messages]:
+def load_source(source: str, skip_empty: bool = False) -> list[Messages]:
     if source == "stdlib_docstrings":
         return stdlib_docstring_prompts()
     if source == "pydoc_topics":
@@ -182,18 +196,18 @@ def load_source(source: str) -> list[Messages]:
     if source == "humaneval":
         return humaneval_prompts()
     if source.startswith("jsonl:"):
-        return jsonl_prompts(source[len("jsonl:"):])
+        return jsonl_prompts(source[len("jsonl:"):], skip_empty)
     if source.startswith("hf:"):
-        return hf_prompts(source[len("hf:"):])
+        return hf_prompts(source[len("hf:"):], skip_empty)
     raise DataError(f"unknown data source {source!r}; use stdlib_docstrings, pydoc_topics, humaneval, "
                     "jsonl:PATH or hf:PATH[:SPLIT]")
 
 
-def mix_sources(sources: list[str], num_prompts: int, seed: int) -> list[Messages]:
+def mix_sources(sources: list[str], num_prompts: int, seed: int, skip_empty: bool = False) -> list[Messages]:
     """Round-robin over shuffled sources so each contributes evenly; deterministic in `seed`."""
     pools = []
     for i, src in enumerate(sources):
-        items = load_source(src)
+        items = load_source(src, skip_empty)
         random.Random(f"{seed}:{i}:{src}").shuffle(items)
         pools.append(items)
     out: list[Messages] = []

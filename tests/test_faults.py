@@ -1,0 +1,250 @@
+"""Faults, with real processes, signals and files: nothing lost, nothing half-written picked up, nothing
+silent. (Kills at each stage resuming to the uninterrupted result: tests/test_sweeps.py; concurrent sweep
+processes on one study: test_sweeps.py; a killed Slurm job requeued: test_slurm.py; the case table:
+docs/reliability.md.)"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from conftest import ROOT, compose, run_cli
+from wandb_records import read_run
+
+SMOKE = ["experiment=smoke", "eval.suites.drift.enabled=false"]
+
+
+def error_line(returncode: int, stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert returncode == 2 and len(lines) == 1, stderr[-2000:]
+    return lines[0]
+
+
+def cli(args: list[str], cache_dir: Path, results: Path, **kw) -> subprocess.Popen:
+    env = {**os.environ, "EAGLELAB_CACHE_DIR": str(cache_dir), "EAGLELAB_RESULTS_DIR": str(results),
+           "PYTHONUNBUFFERED": "1", **kw.pop("env", {})}
+    return subprocess.Popen([sys.executable, str(ROOT / "src" / "run.py"), *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def wait_for(condition, timeout: float, what: str, proc: subprocess.Popen | None = None):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (found := condition()):
+            return found
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the run ended (rc {proc.returncode}) before {what}: {proc.stderr.read()[-2000:]}")
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def cache_entries(cache: Path) -> dict[str, list[Path]]:
+    return {kind: sorted((cache / kind).glob("*")) if (cache / kind).exists() else [] for kind in ("regen", "features")}
+
+
+# --- crashes while writing -------------------------------------------------------------------------------------
+WRITER = textwrap.dedent("""
+    import sys, time, torch
+    from pathlib import Path
+    from eaglelab.io import atomic_dir, atomic_file
+    from eaglelab.training import AtomicCheckpointIO
+    kind, path = sys.argv[1], Path(sys.argv[2])
+    chunk = bytes(1 << 20)
+    if kind == "file":
+        with atomic_file(path, "wb") as f:
+            for _ in range(2000):  # at most 2 GB; killed after the first MB
+                f.write(chunk); f.flush(); time.sleep(0.001)
+    elif kind == "dir":
+        with atomic_dir(path) as tmp:
+            for i in range(2000):
+                (tmp / f"part{i}").write_bytes(chunk); time.sleep(0.001)
+    else:  # a checkpoint, again and again, each version bigger
+        for version in range(1, 200):
+            AtomicCheckpointIO().save_checkpoint({"version": version, "w": torch.ones(version * (1 << 18))}, path)
+""")
+
+
+@pytest.mark.parametrize("kind", ["file", "dir", "checkpoint"])
+def test_a_writer_killed_mid_write_leaves_the_previous_version(kind, tmp_path):
+    """SIGKILL while a result file, a cache folder or a checkpoint is being written: under its final name there
+    is only ever a complete version (the previous one, or none), never a torn one."""
+    target = tmp_path / ("entry" if kind == "dir" else "last.ckpt")
+    if kind == "file":
+        target.write_bytes(b"version 1")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, kind, str(target)], env=env)
+    try:
+        if kind == "checkpoint":  # let a few versions land, then kill during a save
+            wait_for(lambda: target.exists() and target.stat().st_size > 4 << 20, 120, "a few checkpoints", proc)
+        wait_for(lambda: [p for p in tmp_path.glob(".*.tmp-*") if p.is_dir() or p.stat().st_size > 1 << 20], 120,
+                 "a half-written temporary", proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert list(tmp_path.glob(".*.tmp-*")), "the kill did not land mid-write"
+    if kind == "file":
+        assert target.read_bytes() == b"version 1"
+    elif kind == "dir":
+        assert not target.exists()
+    else:
+        state = torch.load(target, weights_only=False)  # loads: complete
+        assert state["w"].numel() == state["version"] * (1 << 18) and bool((state["w"] == 1).all())
+
+
+def test_a_torn_checkpoint_is_never_resumed_from(cache_dir, tmp_path):
+    """A last.ckpt torn by something outside eaglelab (a full disk, a copy cut short) is not loaded: the run
+    warns, trains again from the start and completes."""
+    run_dir = tmp_path / "run"
+    args = [*SMOKE, "train.checkpoint_every_n_steps=1", f"hydra.run.dir={run_dir}"]
+    proc = cli(args, cache_dir, tmp_path)
+    ckpt = run_dir / "lightning" / "last.ckpt"
+    wait_for(ckpt.exists, 300, "the first checkpoint", proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    data = ckpt.read_bytes()
+    ckpt.write_bytes(data[: len(data) // 2])
+    done = run_cli(args, cache_dir, tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    log = (run_dir / "run.log").read_text()
+    assert "last.ckpt cannot be read" in log and "training starts again" in log
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["status"] == "complete" and info["attempt"] == 2
+    assert torch.load(ckpt, weights_only=False)["global_step"] > 0
+
+
+# --- interrupted data preparation --------------------------------------------------------------------------------
+def test_ctrl_c_during_data_preparation_leaves_no_partial_cache_and_the_rerun_completes(tmp_path):
+    """SIGINT while the target regenerates the training data into a cold cache: the run says interrupted, no
+    cache entry exists half-made, and the same command completes and fills the cache."""
+    cache, run_dir = tmp_path / "cache", tmp_path / "run"
+    args = [*SMOKE, f"hydra.run.dir={run_dir}"]
+    proc = cli(args, cache, tmp_path)
+    wait_for(lambda: list((cache / "locks").glob("regen-*.lock")) if (cache / "locks").exists() else [], 300,
+             "data preparation", proc)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) != 0
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "interrupted"
+    assert cache_entries(cache) == {"regen": [], "features": []}  # nothing was half-made under a final name
+    done = run_cli(args, cache, tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    entries = cache_entries(cache)
+    assert len(entries["regen"]) == 2 and len(entries["features"]) == 2  # training data + held-out prompts
+    assert all((e / "data.arrow").is_file() and (e / "meta.json").is_file() for e in sum(entries.values(), []))
+    assert not [p for p in cache.rglob(".*.tmp-*")]
+
+
+# --- numerical failure ---------------------------------------------------------------------------------------------
+def test_non_finite_loss_stops_with_a_clear_error_and_keeps_the_last_finite_checkpoint(cache_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli([*SMOKE, "train.lr=1e30", "train.checkpoint_every_n_steps=1", f"hydra.run.dir={run_dir}"],
+                   cache_dir, tmp_path)
+    line = error_line(proc.returncode, proc.stderr)
+    assert "non-finite" in line and "lightning/last.ckpt keeps the last finite weights" in line
+    assert "lower train.lr" in line
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["status"] == "failed" and "non-finite" in info["error"]
+    assert not (run_dir / "metrics.json").exists() and not (run_dir / "drafter").exists()
+    state = torch.load(run_dir / "lightning" / "last.ckpt", weights_only=False)
+    assert all(torch.isfinite(v).all() for v in state["state_dict"].values())
+
+
+# --- the vLLM engine dies ---------------------------------------------------------------------------------------
+def test_vllm_engine_killed_mid_evaluation_fails_the_run_keeps_training_and_the_rerun_completes(cache_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*SMOKE, "eval.vllm.enabled=true", "eval.vllm.num_prompts=4", "eval.vllm.throughput_ks=[]",
+            f"hydra.run.dir={run_dir}"]
+    proc = cli(args, cache_dir, tmp_path)
+
+    def engine():
+        return next((c for c in psutil.Process(proc.pid).children(recursive=True)
+                     if "eaglelab.vllm_engine" in " ".join(c.cmdline())), None)
+
+    victim = wait_for(engine, 600, "the vLLM engine", proc)
+    wait_for(lambda: (run_dir / "vllm" / "vllm.log").exists()
+             and (run_dir / "vllm" / "vllm.log").stat().st_size > 2000, 300, "the engine at work", proc)
+    victim.send_signal(signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=300)
+    line = error_line(proc.returncode, stderr)
+    assert "vLLM engine failed (exit -9)" in line and f"checkpoint={run_dir}" in line
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["status"] == "failed" and not (run_dir / "metrics.json").exists()
+    assert (run_dir / "drafter" / "model.safetensors").is_file() and (run_dir / "acceptance.csv").is_file()
+    steps = torch.load(run_dir / "lightning" / "last.ckpt", weights_only=False)["global_step"]
+    done = run_cli(args, cache_dir, tmp_path)  # the same command again
+    assert done.returncode == 0, done.stderr[-2000:]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert "vllm/acceptance_length@k3" in metrics and metrics["train/steps"] == steps  # not trained again
+    assert json.loads((run_dir / "run.json").read_text())["attempt"] == 2
+
+
+# --- W&B without a network -------------------------------------------------------------------------------------
+def test_wandb_online_without_network_falls_back_to_offline(cache_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli([*SMOKE, "logger=wandb", "logger.mode=online", "logger.init_timeout_s=5",
+                    f"hydra.run.dir={run_dir}"], cache_dir, tmp_path,
+                   env={"WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_API_KEY": "x" * 40})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    log = (run_dir / "run.log").read_text()  # the warning, in the log (and on the console)
+    assert "W&B online logging unavailable" in log and "logging offline instead" in log
+    logged = read_run(run_dir)  # the offline run holds the training curves and the results
+    assert any("train/loss" in row for row in logged["history"])
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert float(logged["summary"]["acceptance_length@k3"]) == pytest.approx(metrics["acceptance_length@k3"])
+    assert "wandb_error" not in json.loads((run_dir / "run.json").read_text())
+
+
+# --- caches and a shared results root ---------------------------------------------------------------------------
+def test_a_changed_config_or_target_never_reuses_a_stale_cache(cache_dir, tmp_path):
+    """Change what the data depends on — generation length, or the target's weights in place — and the run
+    prepares new data (a new cache entry) instead of reusing the old."""
+    from eaglelab.targets import load_target
+
+    target = tmp_path / "target"
+    shutil.copytree(load_target(compose(SMOKE, cache_dir, tmp_path).target, cache_dir).path, target)
+    cache = tmp_path / "cache"
+    base = [*SMOKE, "target=hf", f"target.name_or_path={target}"]
+
+    def run(extra: list[str], name: str) -> dict:
+        proc = run_cli([*base, *extra, f"hydra.run.dir={tmp_path / name}"], cache, tmp_path)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads((tmp_path / name / "metrics.json").read_text())
+
+    first = run([], "first")
+    n = len(cache_entries(cache)["regen"])
+    shorter = run(["data.max_new_tokens=12"], "shorter")
+    assert len(cache_entries(cache)["regen"]) == n + 1  # the training data again, with the new length
+    assert shorter["data/response_tokens"] < first["data/response_tokens"]
+    # the target's weights replaced in place (same folder, same config): its fingerprint changes
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(target / "model.safetensors")
+    save_file({k: (v * 1.5 if v.ndim == 2 else v) for k, v in weights.items()}, target / "model.safetensors",
+              metadata={"format": "pt"})
+    run([], "retargeted")
+    assert len(cache_entries(cache)["regen"]) == n + 1 + n  # every entry of the changed target prepared anew
+
+
+def test_two_runs_into_one_results_root_at_once(tmp_path):
+    """Two runs started together on a cold cache and one results root: both complete in their own directories,
+    the shared data is prepared once (the other run waits for it) and both train on the same data."""
+    cache, results = tmp_path / "cache", tmp_path / "results"
+    procs = [cli(SMOKE, cache, results) for _ in range(2)]
+    outs = [p.communicate(timeout=900) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-1500:] for o in outs]
+    run_dirs = sorted(p.parent for p in results.glob("runs/*/metrics.json"))
+    assert len(run_dirs) == 2 and run_dirs[0] != run_dirs[1]
+    entries = cache_entries(cache)
+    assert len(entries["regen"]) == 2 and len(entries["features"]) == 2  # once each, not twice
+    a, b = (json.loads((d / "metrics.json").read_text()) for d in run_dirs)
+    assert {k: v for k, v in a.items() if not k.startswith("time/")} == \
+        {k: v for k, v in b.items() if not k.startswith("time/")}
