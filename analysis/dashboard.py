@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from store import load_or_exit  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from eaglelab.errors import first_line  # noqa: E402
 from eaglelab.tracking import DRIFT_MEASURES  # noqa: E402  (the curves eaglelab.tracking logs)
 
 SEEDS = dict(groupby_aggfunc="mean", groupby_rangefunc="stderr")  # every panel: mean ± SE over seeds
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report.save()
     except Exception as e:  # noqa: BLE001  not logged in, no network, no such project
-        print(f"error: could not save the report to W&B ({str(e).splitlines()[0]}); run `wandb login` and "
+        print(f"error: could not save the report to W&B ({first_line(e)}); run `wandb login` and "
               "`wandb sync` the runs first, or use --dry-run SPEC.json", file=sys.stderr)
         return 2
     print(report.url)

@@ -25,6 +25,7 @@ from eaglelab.plots import PALETTE, plt, save_figure  # noqa: E402  (the runs' o
 plt.rcParams.update({"font.size": 9, "axes.titlesize": 9, "axes.labelsize": 9, "legend.fontsize": 8,
                      "axes.spines.top": False, "axes.spines.right": False})
 ERR = dict(capsize=3, elinewidth=1, markersize=4)
+MARKERS = "osD^v<>p"  # past 8 setups the colours repeat: the marker tells them apart
 
 
 def _frames(members: list[Run], table: str, **where) -> list[pd.DataFrame]:
@@ -50,7 +51,8 @@ def _curve(ax, groups, colors, table, x, y, log_x: bool = False, **where) -> boo
             agg = aggregate(frames, [x], y)
             shift = (i - (len(groups) - 1) / 2) * 0.04
             xs = agg[x] * (1 + shift / 2) if log_x else agg[x] + shift
-            ax.errorbar(xs, agg["mean"], yerr=agg["se"], fmt="o-", color=colors[label],
+            ax.errorbar(xs, agg["mean"], yerr=agg["se"], fmt=f"{MARKERS[i // len(PALETTE) % len(MARKERS)]}-",
+                        color=colors[label],
                         label=f"{label} (n={len(frames)})", **ERR)
             drawn = True
     ax.grid(alpha=0.3)

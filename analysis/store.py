@@ -75,7 +75,10 @@ def read_run(run_dir: Path) -> Run:
                          f"`python src/run.py checkpoint={run_dir}`")
     config.pop("resolved", None)
     flat = flatten(config)
-    ttt = int(flat["train.ttt_steps"])
+    try:
+        ttt, seed = int(flat["train.ttt_steps"]), int(flat["train.seed"])
+    except (KeyError, TypeError, ValueError):
+        raise ValueError("config.yaml has no integer train.ttt_steps / train.seed") from None
     if f"acceptance_length@k{ttt}" not in metrics:
         raise ValueError(f"metrics.json has no acceptance_length@k{ttt}")
     tables = {}
@@ -85,7 +88,7 @@ def read_run(run_dir: Path) -> Run:
                 tables[name.removesuffix(".csv")] = pd.read_csv(run_dir / name)
             except (ValueError, pd.errors.ParserError) as e:
                 raise ValueError(f"{name} is unreadable ({str(e).splitlines()[0]})") from None
-    return Run(run_dir, str(flat.get("variant")), int(flat["train.seed"]), ttt, flat, metrics, tables)
+    return Run(run_dir, str(flat.get("variant")), seed, ttt, flat, metrics, tables)
 
 
 def find_run_dirs(roots: list[Path]) -> list[Path]:
@@ -95,7 +98,8 @@ def find_run_dirs(roots: list[Path]) -> list[Path]:
         if not root.exists():
             raise StoreError(f"{root} does not exist; pass a results directory (e.g. results/) or run directories")
         marks = [p.parent for name in ("run.json", "metrics.json") for p in root.rglob(name)]
-        found += sorted({d for d in marks if "wandb" not in d.parts and "drafter" not in d.parts})
+        inside = lambda d: {"wandb", "drafter"} & set(d.relative_to(root).parts)  # noqa: E731  (W&B's own files)
+        found += sorted({d for d in marks if not inside(d)})
     return list(dict.fromkeys(found))
 
 
@@ -110,8 +114,9 @@ def load(roots: list[Path], warn=lambda msg: print(msg, file=sys.stderr)) -> lis
     if not runs:
         raise StoreError(f"no finished run under {', '.join(map(str, roots))}; a run is finished when its "
                          "directory holds metrics.json (`python src/run.py ...` writes one)")
-    def by_variant(k):  # a key the variant fixes (its ablation flags) says nothing the variant does not
-        return all(len({repr(r.config.get(k)) for r in runs if r.variant == v}) == 1 for v in {r.variant for r in runs})
+    def by_variant(k):  # a drafter flag the variant fixes (its ablation preset) says nothing the variant does not
+        return k.startswith("drafter.") and all(len({repr(r.config.get(k)) for r in runs if r.variant == v}) == 1
+                                                for v in {r.variant for r in runs})
 
     differing = sorted(k for k in set().union(*(r.config for r in runs))
                        if not k.startswith(NOT_SETUP) and k != "variant"
@@ -121,7 +126,13 @@ def load(roots: list[Path], warn=lambda msg: print(msg, file=sys.stderr)) -> lis
     for r in runs:
         extras = " ".join(f"{names[k]}={_short(r.config.get(k))}" for k in differing)
         r.setup = f"{r.variant} {extras}".strip()
-    return sorted(runs, key=lambda r: (r.setup, r.seed))
+    # One run per setup and seed: a re-evaluation (checkpoint=RUN) or a repeated launch is not another seed.
+    kept: dict[tuple[str, int], Run] = {}
+    for r in sorted(runs, key=lambda r: (r.dir / "metrics.json").stat().st_mtime):
+        if (r.setup, r.seed) in kept:
+            warn(f"skipped {kept[(r.setup, r.seed)].dir}: the same setup and seed as {r.dir} (the later one is kept)")
+        kept[(r.setup, r.seed)] = r
+    return sorted(kept.values(), key=lambda r: (r.setup, r.seed))
 
 
 def load_or_exit(roots: list[Path]) -> list[Run]:

@@ -126,7 +126,10 @@ def numbers(runs: list[Run], rows: list[dict], skipped: int) -> str:
             define(key, "vsref", _fmt(r["tau_vs_reference"]))
             for measure, (_, _, decimals) in COLUMNS.items():
                 define(key, measure, _fmt(r[measure], decimals))
-                define(key, f"{measure}ci", _fmt(r[f"{measure}_ci95"], decimals))
+                ci = r[f"{measure}_ci95"]
+                define(key, f"{measure}ci", _fmt(ci, decimals))
+                # "± ci" for the text (math mode), nothing with a single seed
+                define(key, f"{measure}pm", "" if math.isnan(ci) else rf"\pm {ci:.{decimals}f}")
     lines.append(r"\makeatother")
     return "\n".join(lines) + "\n"
 
@@ -158,8 +161,11 @@ def build_pdf(staging: Path) -> Path:
     if not shutil.which("latexmk"):
         raise StoreError(LATEX_HINT)
     shutil.copy(PAPER / "paper.tex", staging / "paper.tex")
-    proc = subprocess.run(["latexmk", "-pdf", "-interaction=nonstopmode", "-halt-on-error", "paper.tex"],
-                          cwd=staging, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(["latexmk", "-pdf", "-interaction=nonstopmode", "-halt-on-error", "paper.tex"],
+                              cwd=staging, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        raise StoreError("latexmk did not finish in 600 s; see paper.log") from None
     if proc.returncode != 0:
         log = staging / "paper.log"
         errors = [line for line in (log.read_text(errors="replace").splitlines() if log.exists() else [])
@@ -169,12 +175,13 @@ def build_pdf(staging: Path) -> Path:
 
 
 def install(staging: Path, out: Path) -> None:
-    """Swap the new outputs in: each old one is renamed away first, then the new one renamed into place."""
+    """Swap the new outputs in: each old one is renamed away first, then the new one renamed into place. An old
+    paper.pdf that was not rebuilt (--no-pdf) goes too: it would quote the previous store's numbers."""
     trash = Path(tempfile.mkdtemp(prefix=".old-", dir=out))
     for name in OUTPUTS:
+        if (out / name).exists():
+            os.replace(out / name, trash / name)
         if (staging / name).exists():
-            if (out / name).exists():
-                os.replace(out / name, trash / name)
             os.replace(staging / name, out / name)
     shutil.rmtree(trash, ignore_errors=True)
 

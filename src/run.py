@@ -37,6 +37,9 @@ def main(cfg: DictConfig):
 
     if "SUBMITIT_EXECUTOR" not in os.environ:  # in a submitit job, submitit owns the signals (and requeueing)
         signal.signal(signal.SIGTERM, interrupt)
+        # A shell starting a background job (`cmd &` in a script) makes it ignore SIGINT, and Python keeps that:
+        # `kill -INT` would be lost. SIGINT interrupts the run in any case.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         run_cfg = to_run_config(cfg)
         hc = HydraConfig.get()

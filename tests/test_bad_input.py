@@ -80,6 +80,7 @@ def bad_files(cache_dir, tmp_path_factory) -> Path:
     (["data.sources=[jsonl:{bad}/empty.jsonl]"], "empty.jsonl:2: empty conversation"),
     (["checkpoint=/nonexistent"], "holds no drafter"),
     (["paths.results_dir={bad}/a_file/results"], "cannot write to"),
+    (["paths.results_dir=/proc/eaglelab"], "cannot write to /proc/eaglelab"),
 ])
 def test_bad_input_is_one_line_and_nonzero(overrides, message, bad_files, cache_dir, tmp_path):
     overrides = [o.replace("{bad}", str(bad_files)) for o in overrides]

@@ -11,6 +11,7 @@ from eaglelab.data.prepare import from_bits, prepare_features
 from eaglelab.data.prompts import humaneval_prompts, jsonl_prompts, mix_sources
 from eaglelab.data.regenerate import generate, template_prompt
 from eaglelab.data.vocab import draft_vocab
+from eaglelab.errors import DataError
 from eaglelab.targets import load_target
 
 
@@ -68,7 +69,9 @@ def test_sharegpt_and_openai_rows(tmp_path):
         '{"conversations": [{"from": "human", "value": "c"}, {"from": "gpt", "value": "d"}, '
         '{"from": "human", "value": "e"}]}\n'
         '{"messages": [{"role": "assistant", "content": "no user turn"}]}\n')
-    rows = jsonl_prompts(str(path))
+    with pytest.raises(DataError, match=r"d.jsonl:3: empty conversation .*data.skip_empty=true"):
+        jsonl_prompts(str(path))  # a row with nothing to answer is bad input by default
+    rows = jsonl_prompts(str(path), skip_empty=True)
     assert rows == [[{"role": "user", "content": "a"}],
                     [{"role": "user", "content": "c"}, {"role": "assistant", "content": "d"},
                      {"role": "user", "content": "e"}]]

@@ -73,6 +73,14 @@ WRITER = textwrap.dedent("""
 """)
 
 
+def _size(path: Path) -> int:
+    """Bytes under `path` (0 once it is gone: a temporary is renamed the moment it is complete)."""
+    try:
+        return sum(p.stat().st_size for p in path.iterdir()) if path.is_dir() else path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
 @pytest.mark.parametrize("kind", ["file", "dir", "checkpoint"])
 def test_a_writer_killed_mid_write_leaves_the_previous_version(kind, tmp_path):
     """SIGKILL while a result file, a cache folder or a checkpoint is being written: under its final name there
@@ -85,7 +93,7 @@ def test_a_writer_killed_mid_write_leaves_the_previous_version(kind, tmp_path):
     try:
         if kind == "checkpoint":  # let a few versions land, then kill during a save
             wait_for(lambda: target.exists() and target.stat().st_size > 4 << 20, 120, "a few checkpoints", proc)
-        wait_for(lambda: [p for p in tmp_path.glob(".*.tmp-*") if p.is_dir() or p.stat().st_size > 1 << 20], 120,
+        wait_for(lambda: [p for p in tmp_path.glob(".*.tmp-*") if _size(p) > 1 << 20], 120,
                  "a half-written temporary", proc)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
@@ -113,6 +121,8 @@ def test_a_torn_checkpoint_is_never_resumed_from(cache_dir, tmp_path):
     proc.wait(timeout=60)
     data = ckpt.read_bytes()
     ckpt.write_bytes(data[: len(data) // 2])
+    stale = ckpt.parent / ".last.ckpt.tmp-killedsave"  # what a save killed mid-write leaves behind
+    stale.write_bytes(data[:1000])
     done = run_cli(args, cache_dir, tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     log = (run_dir / "run.log").read_text()
@@ -120,6 +130,7 @@ def test_a_torn_checkpoint_is_never_resumed_from(cache_dir, tmp_path):
     info = json.loads((run_dir / "run.json").read_text())
     assert info["status"] == "complete" and info["attempt"] == 2
     assert torch.load(ckpt, weights_only=False)["global_step"] > 0
+    assert not stale.exists()  # cleared at the next start, never taken for a checkpoint
 
 
 # --- interrupted data preparation --------------------------------------------------------------------------------
@@ -144,6 +155,32 @@ def test_ctrl_c_during_data_preparation_leaves_no_partial_cache_and_the_rerun_co
 
 
 # --- numerical failure ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("where", ["gradient", "weights"])
+def test_a_non_finite_gradient_or_weight_stops_training_before_it_is_kept(where):
+    """StopOnNonFinite's two checks on their own (the loss check fires first in a real run, below): a NaN
+    gradient stops before the optimizer step, a NaN weight before the checkpoint callbacks run."""
+    from types import SimpleNamespace
+
+    from eaglelab.errors import TrainingError
+    from eaglelab.training import StopOnNonFinite
+
+    module = torch.nn.Linear(4, 4)
+    trainer = SimpleNamespace(global_step=7, precision_plugin=SimpleNamespace(scaler=None))
+    check = StopOnNonFinite()
+    check.on_before_optimizer_step(trainer, module, None)  # no gradients yet: fine
+    check.on_train_batch_end(trainer, module, None, None, 0)  # finite weights: fine
+    with torch.no_grad():
+        if where == "gradient":
+            module.weight.grad = torch.full_like(module.weight, float("nan"))
+        else:
+            module.bias[0] = float("inf")
+    with pytest.raises(TrainingError, match=f"non-finite {where}.* step 7; lightning/last.ckpt keeps"):
+        if where == "gradient":
+            check.on_before_optimizer_step(trainer, module, None)
+        else:
+            check.on_train_batch_end(trainer, module, None, None, 0)
+
+
 def test_non_finite_loss_stops_with_a_clear_error_and_keeps_the_last_finite_checkpoint(cache_dir, tmp_path):
     run_dir = tmp_path / "run"
     proc = run_cli([*SMOKE, "train.lr=1e30", "train.checkpoint_every_n_steps=1", f"hydra.run.dir={run_dir}"],

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
 
-from eaglelab.errors import ConfigError
+from eaglelab.errors import ConfigError, first_line
 
 
 @dataclass
@@ -202,7 +202,7 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
         merged = OmegaConf.merge(OmegaConf.structured(RunConfig), plain)
         run_cfg = OmegaConf.to_object(merged)
     except Exception as e:  # omegaconf's messages name the key; keep the first line
-        raise ConfigError(f"invalid config: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"invalid config: {first_line(e)}") from None
     validate(run_cfg)
     return run_cfg
 

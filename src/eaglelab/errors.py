@@ -19,3 +19,9 @@ class DataError(EaglelabError):
 
 class TrainingError(EaglelabError):
     pass
+
+
+def first_line(e: BaseException, limit: int = 160) -> str:
+    """An exception's first message line (its type name when it has no message), for one-line errors."""
+    lines = str(e).strip().splitlines()
+    return (lines[0] if lines else type(e).__name__)[:limit]

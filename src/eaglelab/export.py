@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eaglelab.drafter import Eagle3Config, Eagle3Drafter, export_state_dict, import_state_dict
-from eaglelab.errors import EaglelabError
+from eaglelab.errors import EaglelabError, first_line
 from eaglelab.io import atomic_dir
 
 
@@ -63,7 +63,7 @@ def load_drafter(path: Path, embed_tokens: torch.Tensor | None = None,
         raise EaglelabError(f"{path} is not a drafter checkpoint ({Path(e.filename).name} missing)") from None
     except Exception as e:
         raise EaglelabError(f"cannot read drafter checkpoint {path} ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0][:120]}); re-export it") from None
+                            f"{first_line(e, 120)}); re-export it") from None
     return _build(path, cfg, sd, embed_tokens, target)
 
 
@@ -80,7 +80,7 @@ def load_lightning(ckpt: Path, target: TargetShape | None = None,
         raise EaglelabError(f"{ckpt} does not exist; pass a run directory, a .ckpt or an exported drafter") from None
     except Exception as e:
         raise EaglelabError(f"cannot read Lightning checkpoint {ckpt} ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0][:120] if str(e) else 'no detail'}); it is not an eaglelab "
+                            f"{first_line(e, 120)}); it is not an eaglelab "
                             "training checkpoint or it is truncated") from None
     sd = {k[len("drafter."):]: v for k, v in state["state_dict"].items() if k.startswith("drafter.")}
     return _build(ckpt, cfg, sd, embed_tokens, target)

@@ -13,6 +13,10 @@ import tempfile
 from pathlib import Path
 
 
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)  # (reading the umask means setting it: put it back)
+
+
 @contextlib.contextmanager
 def atomic_dir(final: Path):
     """Yield a temporary sibling folder; rename it to `final` only if the block succeeds."""
@@ -20,6 +24,7 @@ def atomic_dir(final: Path):
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
+        os.chmod(tmp, 0o777 & ~_UMASK)  # mkdtemp makes 0700: results and caches are for the team, as mkdir would
         yield tmp
         if final.exists():  # another process finished the same content first: keep theirs
             shutil.rmtree(tmp)
@@ -30,14 +35,10 @@ def atomic_dir(final: Path):
         raise
 
 
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)  # (reading the umask means setting it: put it back)
-
-
 @contextlib.contextmanager
 def atomic_file(path: Path, mode: str = "w"):
-    """A file whose content appears under `path` only once complete and on disk: written to a temporary file
-    next to it (same filesystem, so the rename is atomic), fsynced, renamed over `path`."""
+    """A file whose content appears under `path` only once complete: written to a temporary file next to it
+    (same filesystem, so the rename is atomic), its bytes fsynced, then renamed over `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)

@@ -168,6 +168,8 @@ def run(cfg: RunConfig) -> Path:
     atomic_write_json(run_dir / "run.json", info)
     try:
         metrics = _run(cfg, run_dir, info)
+        if cfg.logger.kind == "wandb":
+            _log_to_wandb(cfg, run_dir, metrics, info)
     except BaseException as e:
         interrupted = isinstance(e, (KeyboardInterrupt, SystemExit))  # SystemExit: submitit's requeue
         info.update(status="interrupted" if interrupted else "failed",
@@ -175,9 +177,11 @@ def run(cfg: RunConfig) -> Path:
         if not isinstance(e, (EaglelabError, KeyboardInterrupt, SystemExit)):
             info["traceback"] = traceback.format_exc()
         atomic_write_json(run_dir / "run.json", info)
+        if cfg.logger.kind == "wandb":
+            from eaglelab.tracking import finish_failed
+
+            finish_failed()
         raise
-    if cfg.logger.kind == "wandb":
-        _log_to_wandb(cfg, run_dir, metrics, info)
     info.update(status="complete", finished=time.time())
     atomic_write_json(run_dir / "run.json", info)
     atomic_write_json(run_dir / "metrics.json", metrics)  # last: marks the run complete
@@ -201,11 +205,13 @@ def previous_attempt(cfg: RunConfig, run_dir: Path) -> dict:
     if not (run_dir / "run.json").exists():
         return {}
     if (run_dir / "config.yaml").exists():
-        stored = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"))
-        stored.pop("resolved", None)
-        now = OmegaConf.to_container(OmegaConf.create(asdict(cfg)))
-        if stored != now:
-            changed = sorted(k for k in set(stored) | set(now) if stored.get(k) != now.get(k))
+        stored = _flat(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml")))
+        now, default = (_flat(OmegaConf.to_container(OmegaConf.create(asdict(c)))) for c in (cfg, RunConfig()))
+        # What was measured must match; where results go and how they are logged may change (a sweep relaunched
+        # elsewhere, W&B turned on). A setting newer than the stored run counts as its default.
+        changed = sorted(k for k in now if not k.startswith(("paths.", "logger.", "run_dir"))
+                         and stored.get(k, default.get(k)) != now[k])
+        if changed:
             raise EaglelabError(f"{run_dir} holds a run with another configuration (differs in {', '.join(changed)}); "
                                 "choose another run directory")
     previous = json.loads((run_dir / "run.json").read_text())
@@ -213,6 +219,13 @@ def previous_attempt(cfg: RunConfig, run_dir: Path) -> dict:
     previous["status"] = "complete" if (run_dir / "metrics.json").exists() else (
         "interrupted" if previous.get("status") == "complete" else previous.get("status"))
     return previous
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
 
 
 def adopt_trained_settings(cfg: RunConfig) -> None:
@@ -363,7 +376,8 @@ def prepare_data(cfg: RunConfig, target, model_cfg: Eagle3Config, timer: StageTi
                  train: bool = True, evaluate: bool = True):
     """Training prompts and held-out evaluation prompts (never overlapping), regenerated and captured.
     `evaluate=False` (a DDP helper process): the training data only."""
-    eval_prompts = humaneval_prompts() if cfg.eval.prompts == "humaneval" else load_source(cfg.eval.prompts)
+    eval_prompts = (humaneval_prompts() if cfg.eval.prompts == "humaneval"
+                    else load_source(cfg.eval.prompts, cfg.data.skip_empty))
     eval_prompts = eval_prompts[: cfg.eval.num_prompts] if cfg.eval.num_prompts else eval_prompts
     train_prompts = mix_sources(cfg.data.sources, cfg.data.num_prompts, cfg.data.seed, cfg.data.skip_empty)
     held_out = {json.dumps(p, sort_keys=True) for p in eval_prompts}

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from eaglelab.config import TargetConfig
-from eaglelab.errors import TargetError
+from eaglelab.errors import TargetError, first_line
 from eaglelab.io import atomic_dir, file_lock
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -80,7 +80,7 @@ def _convert_gguf(gguf: Path, out: Path, fix: str) -> None:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as e:
-        raise TargetError(f"cannot read GGUF {gguf} ({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+        raise TargetError(f"cannot read GGUF {gguf} ({type(e).__name__}: {first_line(e, 120)}); "
                           f"{fix}") from None
     config = quantised.config
     if hasattr(config, "quantization_config"):
@@ -181,7 +181,7 @@ def load_target(cfg: TargetConfig, cache_dir: str | Path) -> Target:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype], attn_implementation="eager",
                                                      local_files_only=cfg.local_files_only)
     except Exception as e:
-        raise TargetError(f"cannot load target from {path} ({type(e).__name__}: {str(e).splitlines()[0][:160]}); "
+        raise TargetError(f"cannot load target from {path} ({type(e).__name__}: {first_line(e)}); "
                           "check the folder holds a causal LM (config.json, weights, tokenizer)") from None
     if not hasattr(model, "model") or not hasattr(model.model, "layers"):
         raise TargetError(f"target {path} is not a decoder-only causal LM with `model.layers` "

@@ -23,6 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from eaglelab.config import RunConfig
+from eaglelab.errors import first_line
 from eaglelab.io import atomic_write_text
 
 log = logging.getLogger("eaglelab")
@@ -53,12 +54,14 @@ def _init_kwargs(cfg: RunConfig, run_dir: Path) -> dict:
 
 
 def start_run(cfg: RunConfig, run_dir: Path):
-    """The run's W&B run (the active one if this process started it already)."""
+    """The run's W&B run (the active one if this process started it already for this run directory)."""
     import wandb
 
-    if wandb.run is not None:
-        return wandb.run
     kwargs = _init_kwargs(cfg, run_dir)
+    if wandb.run is not None:
+        if wandb.run.id == kwargs["id"]:
+            return wandb.run
+        wandb.run.finish(exit_code=1)  # another trial's run, left open by a failure: not this run's to log into
     os.environ.setdefault("WANDB_SILENT", "true")
     try:
         return wandb.init(**kwargs, mode=cfg.logger.mode,
@@ -67,7 +70,7 @@ def start_run(cfg: RunConfig, run_dir: Path):
         if cfg.logger.mode != "online":
             raise
         log.warning("W&B online logging unavailable (%s: %s): logging offline instead; upload later with "
-                    "`wandb sync %s/offline-run-*`", type(e).__name__, str(e).splitlines()[0] if str(e) else "",
+                    "`wandb sync %s/offline-run-*`", type(e).__name__, first_line(e),
                     run_dir / "wandb")
         wandb.teardown()  # the failed online attempt still holds the run id in W&B's service process
         return wandb.init(**kwargs, mode="offline")
@@ -96,11 +99,29 @@ def _number(value: str):
         return value
 
 
-def log_results(cfg: RunConfig, run_dir: Path, metrics: dict) -> None:
-    """Add the run's results (its files in run_dir) to its W&B run, then finish the run."""
+def finish_failed() -> None:
+    """A run that failed or was interrupted: close its W&B run (marked failed), so that the next trial of a sweep
+    in this process starts its own."""
     import wandb
 
+    if wandb.run is not None:
+        wandb.run.finish(exit_code=1)
+
+
+def log_results(cfg: RunConfig, run_dir: Path, metrics: dict) -> None:
+    """Add the run's results (its files in run_dir) to its W&B run, then finish the run."""
     run = start_run(cfg, run_dir)
+    try:
+        _log_results(run, cfg, run_dir, metrics)
+    except BaseException:
+        run.finish(exit_code=1)
+        raise
+    run.finish()
+
+
+def _log_results(run, cfg: RunConfig, run_dir: Path, metrics: dict) -> None:
+    import wandb
+
     for x, ys in (("by_k/k", ["acceptance_length", "acceptance_length_vllm", "relative_to_ttt"]),
                   ("by_length/prompt_tokens", ["acceptance_length"]),
                   ("by_depth/depth", DRIFT_MEASURES)):
@@ -122,7 +143,7 @@ def log_results(cfg: RunConfig, run_dir: Path, metrics: dict) -> None:
     if (run_dir / "suites/long_context.csv").exists():  # the simulated evaluator at the trained depth
         for r in _rows(run_dir / "suites/long_context.csv"):
             if r["evaluator"] == "simulated" and int(r["k"]) == ttt:
-                run.log({"by_length/prompt_tokens": int(r["condition"]),
+                run.log({"by_length/prompt_tokens": float(r["prompt_tokens"]),  # measured (clipped) length
                          "by_length/acceptance_length": float(r["acceptance_length"])})
     if (run_dir / "suites/drift.csv").exists():
         for r in _rows(run_dir / "suites/drift.csv"):
@@ -140,4 +161,3 @@ def log_results(cfg: RunConfig, run_dir: Path, metrics: dict) -> None:
             media[f"figures/{name.removesuffix('.png')}"] = wandb.Image(str(run_dir / name))
     run.log(media)
     run.summary.update(metrics)
-    run.finish()

@@ -210,6 +210,8 @@ class StopOnNonFinite(L.Callback):
     loss itself is checked in `training_step`, before the backward pass."""
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if getattr(trainer.precision_plugin, "scaler", None) is not None:
+            return  # fp16's loss scaler makes inf gradients on purpose and skips those steps itself
         if not all(torch.isfinite(p.grad).all() for p in pl_module.parameters() if p.grad is not None):
             raise TrainingError(f"non-finite gradient at step {trainer.global_step}; lightning/last.ckpt keeps the "
                                 "last finite weights; lower train.lr or train.grad_clip")
