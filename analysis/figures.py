@@ -120,7 +120,8 @@ def fig_templates(groups, colors, out: Path) -> Path | None:
         agg = agg.set_index("condition").loc[conditions]
         bars = ax.bar([j + i * width for j in range(len(conditions))], agg["mean"], width, yerr=agg["se"],
                       color=colors[label], label=label, capsize=2, error_kw={"elinewidth": 0.8})
-        ax.bar_label(bars, [f"{ratios[label].loc[c, 'mean']:.2f}×" for c in conditions], fontsize=6, padding=2)
+        ax.bar_label(bars, [f"{ratios[label].loc[c, 'mean']:.2f}×" for c in conditions], fontsize=6, padding=2,
+                     rotation=90)  # upright labels overlap once there are more than two setups
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(conditions))], conditions, rotation=30, ha="right")
     ax.set(ylabel="acceptance length τ at k = ttt_steps", title="τ per prompt condition (labels: ratio to native)")
     ax.set_ylim(bottom=1.0)
@@ -134,12 +135,12 @@ def fig_drift(groups, colors, out: Path) -> Path | None:
               ("sink_share", "attention on the first token", "share of attention"),
               ("context_share", "attention on verified context", "share of attention"),
               ("recent_share", "attention on the most recent keys", "share of attention")]
-    fig, axes = plt.subplots(1, 4, figsize=(13, 3.3), constrained_layout=True)
+    fig, axes = plt.subplots(1, 4, figsize=(13, 3.7), constrained_layout=True)
     for ax, (column, title, ylabel) in zip(axes, panels):
         if not _curve(ax, groups, colors, "suites/drift", "depth", column):
             return plt.close(fig)
         ax.set(xlabel="draft depth j", ylabel=ylabel, title=title)
-    axes[0].legend(frameon=False)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=len(groups), frameon=False)
     fig.suptitle("attention drift per draft depth (held-out prompts)", fontsize=9)
     return save_figure(fig, out / "drift.png")
 
