@@ -21,6 +21,8 @@ from scipy import stats
 
 # Config keys that do not change what was measured (where results went, how they were logged).
 NOT_SETUP = ("train.seed", "run_dir", "paths.", "logger.", "checkpoint", "hydra.", "objective")
+# What the conf/ablation presets set besides the variant's name: implied by the variant, not shown in labels.
+ABLATION_FLAGS = ("drafter.fc_norm", "drafter.norm_output", "drafter.norm_before_fc", "drafter.norm_before_residual")
 RESULT_TABLES = ["acceptance.csv", "per_position.csv", "throughput.csv", "suites/extrapolation.csv",
                  "suites/long_context.csv", "suites/templates.csv", "suites/drift.csv", "suites/fc_balance.csv"]
 
@@ -103,8 +105,18 @@ def find_run_dirs(roots: list[Path]) -> list[Path]:
     return list(dict.fromkeys(found))
 
 
-def load(roots: list[Path], warn=lambda msg: print(msg, file=sys.stderr)) -> list[Run]:
-    """Every finished run under `roots`, with its setup label; each skipped directory is named with its reason."""
+def _finished(run: Run) -> float:
+    """When the run completed (run.json), else its metrics.json's time: copies need not keep file times."""
+    try:
+        return float(json.loads((run.dir / "run.json").read_text())["finished"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return (run.dir / "metrics.json").stat().st_mtime
+
+
+def load(roots: list[Path], warn=lambda msg: print(msg, file=sys.stderr), duplicate=None) -> list[Run]:
+    """Every finished run under `roots`, with its setup label; each skipped directory is named with its reason
+    (`warn`; a second run of the same setup and seed goes to `duplicate`, by default `warn` too)."""
+    duplicate = duplicate or warn
     runs = []
     for run_dir in find_run_dirs([Path(r) for r in roots]):
         try:
@@ -114,8 +126,8 @@ def load(roots: list[Path], warn=lambda msg: print(msg, file=sys.stderr)) -> lis
     if not runs:
         raise StoreError(f"no finished run under {', '.join(map(str, roots))}; a run is finished when its "
                          "directory holds metrics.json (`python src/run.py ...` writes one)")
-    def by_variant(k):  # a drafter flag the variant fixes (its ablation preset) says nothing the variant does not
-        return k.startswith("drafter.") and all(len({repr(r.config.get(k)) for r in runs if r.variant == v}) == 1
+    def by_variant(k):  # an ablation flag the variant fixes (its preset) says nothing the variant does not
+        return k in ABLATION_FLAGS and all(len({repr(r.config.get(k)) for r in runs if r.variant == v}) == 1
                                                 for v in {r.variant for r in runs})
 
     differing = sorted(k for k in set().union(*(r.config for r in runs))
@@ -128,9 +140,10 @@ def load(roots: list[Path], warn=lambda msg: print(msg, file=sys.stderr)) -> lis
         r.setup = f"{r.variant} {extras}".strip()
     # One run per setup and seed: a re-evaluation (checkpoint=RUN) or a repeated launch is not another seed.
     kept: dict[tuple[str, int], Run] = {}
-    for r in sorted(runs, key=lambda r: (r.dir / "metrics.json").stat().st_mtime):
+    for r in sorted(runs, key=_finished):
         if (r.setup, r.seed) in kept:
-            warn(f"skipped {kept[(r.setup, r.seed)].dir}: the same setup and seed as {r.dir} (the later one is kept)")
+            duplicate(f"skipped {kept[(r.setup, r.seed)].dir}: the same setup and seed as {r.dir} "
+                      "(the later one is kept)")
         kept[(r.setup, r.seed)] = r
     return sorted(kept.values(), key=lambda r: (r.setup, r.seed))
 

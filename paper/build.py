@@ -89,13 +89,14 @@ def _fmt(value, decimals: int = 3) -> str:
     return tex_escape(value)
 
 
-def numbers(runs: list[Run], rows: list[dict], skipped: int) -> str:
+def numbers(runs: list[Run], rows: list[dict], skipped: int, duplicates: int) -> str:
     """numbers.tex: \\val{setup or variant}{name} for every number the text quotes, \\val{store}{name} for the
     setup. An unknown key prints a bold ?? (and the build still succeeds), never a stale number."""
     first = runs[0].config
     one = lambda key: sorted({str(r.config.get(key)) for r in runs})  # noqa: E731
     store = {
-        "runs": str(len(runs)), "setups": str(len(rows)), "skipped": str(skipped), "cilevel": "95",
+        "runs": str(len(runs)), "setups": str(len(rows)), "skipped": str(skipped), "duplicates": str(duplicates),
+        "cilevel": "95",
         "seeds": "–".join(sorted({str(r["seeds"]) for r in rows}, key=int)),
         "target": {"smollm2": "SmolLM2-135M-Instruct", "tiny": "a tiny random Llama (test target)"}.get(
             first.get("target.kind"), str(first.get("target.name_or_path"))),
@@ -134,7 +135,7 @@ def numbers(runs: list[Run], rows: list[dict], skipped: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def generate(runs: list[Run], out: Path, skipped: int, reference: str) -> list[Path]:
+def generate(runs: list[Run], out: Path, skipped: int, duplicates: int, reference: str) -> list[Path]:
     """Figures, tables and numbers.tex under `out`; returns the files written."""
     written = [p for png in draw_all(runs, out / "figures") for p in (png, png.with_suffix(".pdf"))]
     rows = comparison(runs, reference)
@@ -150,7 +151,7 @@ def generate(runs: list[Run], out: Path, skipped: int, reference: str) -> list[P
             (tables / f"{name}.md").write_text(made[1])
             written += [tables / f"{name}.tex", tables / f"{name}.md"]
     (out / "generated").mkdir(parents=True, exist_ok=True)
-    (out / "generated" / "numbers.tex").write_text(numbers(runs, rows, skipped))
+    (out / "generated" / "numbers.tex").write_text(numbers(runs, rows, skipped, duplicates))
     written.append(out / "generated" / "numbers.tex")
     print(markdown(rows, reference))
     return written
@@ -195,11 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=PAPER, help="where figures/, tables/, generated/ and paper.pdf go")
     args = ap.parse_args(argv)
     skipped: list[str] = []
+    duplicates: list[str] = []
     args.out.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".build-", dir=args.out))
     try:
-        runs = load(args.roots, warn=lambda msg: (skipped.append(msg), print(msg, file=sys.stderr)))
-        written = generate(runs, staging, len(skipped), args.reference)
+        runs = load(args.roots, warn=lambda msg: (skipped.append(msg), print(msg, file=sys.stderr)),
+                    duplicate=lambda msg: (duplicates.append(msg), print(msg, file=sys.stderr)))
+        written = generate(runs, staging, len(skipped), len(duplicates), args.reference)
         if not args.no_pdf:
             written.append(build_pdf(staging))
         install(staging, args.out)
@@ -210,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         if (staging / "paper.log").exists():  # LaTeX's log, kept for a failed build too
             shutil.copy(staging / "paper.log", args.out / "paper.log")
         shutil.rmtree(staging, ignore_errors=True)
-    print(f"{len(runs)} runs ({len(skipped)} directories skipped) ->")
+    print(f"{len(runs)} runs ({len(skipped)} directories skipped, {len(duplicates)} repeated seeds set aside) ->")
     for path in written:
         print("  ", args.out / path.relative_to(staging))
     return 0

@@ -29,6 +29,10 @@ def error_line(returncode: int, stderr: str) -> str:
     return lines[0]
 
 
+def ignore_sigint():  # what a shell does to a background job (`cmd &` in a script)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def cli(args: list[str], cache_dir: Path, results: Path, **kw) -> subprocess.Popen:
     env = {**os.environ, "EAGLELAB_CACHE_DIR": str(cache_dir), "EAGLELAB_RESULTS_DIR": str(results),
            "PYTHONUNBUFFERED": "1", **kw.pop("env", {})}
@@ -136,10 +140,11 @@ def test_a_torn_checkpoint_is_never_resumed_from(cache_dir, tmp_path):
 # --- interrupted data preparation --------------------------------------------------------------------------------
 def test_ctrl_c_during_data_preparation_leaves_no_partial_cache_and_the_rerun_completes(tmp_path):
     """SIGINT while the target regenerates the training data into a cold cache: the run says interrupted, no
-    cache entry exists half-made, and the same command completes and fills the cache."""
+    cache entry exists half-made, and the same command completes and fills the cache. The run is started the
+    way a script's background job is (SIGINT inherited as ignored): Ctrl-C / kill -INT still interrupts it."""
     cache, run_dir = tmp_path / "cache", tmp_path / "run"
     args = [*SMOKE, f"hydra.run.dir={run_dir}"]
-    proc = cli(args, cache, tmp_path)
+    proc = cli(args, cache, tmp_path, preexec_fn=ignore_sigint)
     wait_for(lambda: list((cache / "locks").glob("regen-*.lock")) if (cache / "locks").exists() else [], 300,
              "data preparation", proc)
     proc.send_signal(signal.SIGINT)
@@ -155,6 +160,40 @@ def test_ctrl_c_during_data_preparation_leaves_no_partial_cache_and_the_rerun_co
 
 
 # --- numerical failure ---------------------------------------------------------------------------------------------
+def test_atomic_writes_are_readable_by_the_team(tmp_path):
+    from eaglelab.io import atomic_dir, atomic_file
+
+    old = os.umask(0o022)
+    try:
+        with atomic_file(tmp_path / "metrics.json") as f:
+            f.write("{}")
+        with atomic_dir(tmp_path / "drafter") as d:
+            (d / "config.json").write_text("{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "metrics.json").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "drafter").stat().st_mode & 0o777 == 0o755
+
+
+def test_a_failed_trial_does_not_leave_its_wandb_run_to_the_next(cache_dir, tmp_path, monkeypatch):
+    """Trials of a sweep share a process: a trial that died with its W&B run open must not have the next
+    trial log into it."""
+    import wandb
+
+    from eaglelab.tracking import start_run
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    first, second = (compose([*SMOKE, "logger=wandb", f"train.seed={s}"], cache_dir, tmp_path / f"t{s}")
+                     for s in (0, 1))
+    a = start_run(first, tmp_path / "t0")  # left open, as by a crash
+    b = start_run(second, tmp_path / "t1")
+    try:
+        assert b.id == (tmp_path / "t1" / "wandb" / "run_id").read_text().strip() != a.id
+        assert wandb.run is b and start_run(second, tmp_path / "t1") is b  # its own run is reused
+    finally:
+        b.finish()
+
+
 @pytest.mark.parametrize("where", ["gradient", "weights"])
 def test_a_non_finite_gradient_or_weight_stops_training_before_it_is_kept(where):
     """StopOnNonFinite's two checks on their own (the loss check fires first in a real run, below): a NaN
@@ -179,6 +218,9 @@ def test_a_non_finite_gradient_or_weight_stops_training_before_it_is_kept(where)
             check.on_before_optimizer_step(trainer, module, None)
         else:
             check.on_train_batch_end(trainer, module, None, None, 0)
+    if where == "gradient":  # fp16's loss scaler produces inf gradients on purpose and skips those steps itself
+        scaled = SimpleNamespace(global_step=7, precision_plugin=SimpleNamespace(scaler=object()))
+        check.on_before_optimizer_step(scaled, module, None)
 
 
 def test_non_finite_loss_stops_with_a_clear_error_and_keeps_the_last_finite_checkpoint(cache_dir, tmp_path):

@@ -135,6 +135,10 @@ def _break(store: Path, tmp_path: Path) -> tuple[Path, dict[str, str]]:
     info = json.loads((copy / "failed/run.json").read_text())
     (copy / "failed/run.json").write_text(json.dumps({**info, "status": "failed", "error": "ConfigError: boom"}))
     (copy / "old_schema/config.yaml").write_text((good / "config.yaml").read_text().replace("  suites:", "  old:"))
+    # the same setup and seed run again (a re-launch): set aside, not counted as another seed
+    shutil.copytree(good, copy / "repeat")
+    info = json.loads((copy / "repeat/run.json").read_text())
+    (copy / "repeat/run.json").write_text(json.dumps({**info, "finished": info["finished"] + 60}))
     return copy, broken
 
 
@@ -158,6 +162,8 @@ def test_paper_is_regenerated_by_one_command_and_broken_runs_are_named_and_skipp
     assert rf"\csname eaglelab@eagle3.1@tau\endcsname{{{sum(taus) / 2:.3f}}}" in numbers
     assert r"\csname eaglelab@store@runs\endcsname{4}" in numbers
     assert r"\csname eaglelab@store@skipped\endcsname{4}" in numbers
+    assert r"\csname eaglelab@store@duplicates\endcsname{1}" in numbers and "the same setup and seed" in proc.stderr
+    assert r"\csname eaglelab@eagle3.1@seeds\endcsname{2}" in numbers
     # and paper.tex types none: outside \val{}{} lookups, figure widths and the definitions k = 2·ttt,
     # τ = 1 + accepted/rounds: no digit
     tex = (ROOT / "paper" / "paper.tex").read_text()
@@ -170,6 +176,9 @@ def test_paper_is_regenerated_by_one_command_and_broken_runs_are_named_and_skipp
         pytest.skip("latexmk not installed (not root): the PDF was not built; `make paper` installs LaTeX")
     pdf = (out / "paper.pdf").read_bytes()
     assert pdf.startswith(b"%PDF") and len(pdf) > 50_000
+    # rebuilt without LaTeX: the old PDF (the previous build's numbers) does not stay next to the new tables
+    assert script("paper/build.py", copy, "--out", out, "--no-pdf").returncode == 0
+    assert not (out / "paper.pdf").exists() and (out / "generated" / "numbers.tex").exists()
 
 
 def test_empty_store_is_one_clear_error_and_writes_nothing(tmp_path):

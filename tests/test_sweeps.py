@@ -78,6 +78,28 @@ def test_killed_runs_resume_to_the_uninterrupted_result(cache_dir, tmp_path):
     assert (resumed / "metrics.json").stat().st_mtime_ns == before
 
 
+def test_a_run_dir_is_resumed_across_logging_and_newer_settings_but_not_across_what_was_measured(cache_dir, tmp_path):
+    """The run identity is what was measured: W&B on, another results path, a setting added since (at its
+    default) resume the run; another learning rate does not."""
+    from dataclasses import asdict
+
+    import yaml
+
+    from eaglelab.errors import EaglelabError
+    from eaglelab.pipeline import previous_attempt
+
+    cfg = compose(QUICK, cache_dir, tmp_path)
+    stored = asdict(cfg)
+    del stored["data"]["skip_empty"]  # written by an eaglelab before that setting existed
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({**stored, "resolved": {"max_k": 8}}))
+    (tmp_path / "run.json").write_text(json.dumps({"status": "interrupted", "attempt": 1}))
+    cfg.logger.kind, cfg.logger.group, cfg.paths.results_dir = "wandb", "ablation_grid_x", "/elsewhere"
+    assert previous_attempt(cfg, tmp_path)["status"] == "interrupted"
+    cfg.train.lr *= 2
+    with pytest.raises(EaglelabError, match=r"another configuration \(differs in train.lr\)"):
+        previous_attempt(cfg, tmp_path)
+
+
 def test_same_run_dir_with_another_config_is_refused(cache_dir, tmp_path):
     run_dir = tmp_path / "trial"
     first = run_cli([*QUICK, f"hydra.run.dir={run_dir}"], cache_dir, tmp_path)

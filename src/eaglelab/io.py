@@ -9,6 +9,7 @@ import io
 import json
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -24,7 +25,8 @@ def atomic_dir(final: Path):
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
-        os.chmod(tmp, 0o777 & ~_UMASK)  # mkdtemp makes 0700: results and caches are for the team, as mkdir would
+        # mkdtemp makes 0700: results and caches are for the team, as mkdir would (keeping a shared folder's setgid)
+        os.chmod(tmp, (0o777 & ~_UMASK) | (os.stat(tmp).st_mode & stat.S_ISGID))
         yield tmp
         if final.exists():  # another process finished the same content first: keep theirs
             shutil.rmtree(tmp)

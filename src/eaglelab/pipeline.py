@@ -180,7 +180,10 @@ def run(cfg: RunConfig) -> Path:
         if cfg.logger.kind == "wandb":
             from eaglelab.tracking import finish_failed
 
-            finish_failed()
+            try:
+                finish_failed()
+            except Exception as w:  # noqa: BLE001  never hide the run's own error behind W&B's
+                log.warning("could not close the W&B run (%s)", w)
         raise
     info.update(status="complete", finished=time.time())
     atomic_write_json(run_dir / "run.json", info)
@@ -207,9 +210,10 @@ def previous_attempt(cfg: RunConfig, run_dir: Path) -> dict:
     if (run_dir / "config.yaml").exists():
         stored = _flat(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml")))
         now, default = (_flat(OmegaConf.to_container(OmegaConf.create(asdict(c)))) for c in (cfg, RunConfig()))
-        # What was measured must match; where results go and how they are logged may change (a sweep relaunched
-        # elsewhere, W&B turned on). A setting newer than the stored run counts as its default.
-        changed = sorted(k for k in now if not k.startswith(("paths.", "logger.", "run_dir"))
+        # What was measured must match; where results go, how they are logged and what a sweeper reads from them
+        # may change (a sweep relaunched elsewhere, W&B turned on). A setting newer than the stored run counts as
+        # its default.
+        changed = sorted(k for k in now if not k.startswith(("paths.", "logger.", "run_dir", "objective"))
                          and stored.get(k, default.get(k)) != now[k])
         if changed:
             raise EaglelabError(f"{run_dir} holds a run with another configuration (differs in {', '.join(changed)}); "
