@@ -192,6 +192,10 @@ def test_a_failed_trial_does_not_leave_its_wandb_run_to_the_next(cache_dir, tmp_
         assert wandb.run is b and start_run(second, tmp_path / "t1") is b  # its own run is reused
     finally:
         b.finish()
+        # wandb started its service for this (pytest) process and exported WANDB_SERVICE: the CLI runs of later
+        # tests would inherit it and share one service (and its registry of run ids in use). Stop it.
+        wandb.teardown()
+        os.environ.pop("WANDB_SERVICE", None)
 
 
 @pytest.mark.parametrize("where", ["gradient", "weights"])
