@@ -32,9 +32,21 @@ def compose(overrides: list[str], cache_dir: Path, run_dir: Path):
     return run_cfg
 
 
+def cli_env(cache_dir: Path, results_dir: Path, env: dict | None = None) -> dict:
+    """The environment of a CLI run in the tests: its own cache and results folders (`env`: extra variables)."""
+    return {**os.environ, "EAGLELAB_CACHE_DIR": str(cache_dir), "EAGLELAB_RESULTS_DIR": str(results_dir),
+            "PYTHONUNBUFFERED": "1", **(env or {})}
+
+
+def error_line(returncode: int, stderr: str) -> str:
+    """Bad input's contract: exit status 2 and exactly one `error: ...` line; returns that line."""
+    lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert returncode == 2 and len(lines) == 1, stderr[-2000:]
+    return lines[0]
+
+
 def run_cli(args: list[str], cache_dir: Path, results_dir: Path, timeout: int = 600, env: dict | None = None):
     """`python src/run.py ARGS` in a subprocess, as a user types it (`env`: extra environment variables)."""
-    env = {**os.environ, "EAGLELAB_CACHE_DIR": str(cache_dir), "EAGLELAB_RESULTS_DIR": str(results_dir),
-           "PYTHONUNBUFFERED": "1", **(env or {})}
+    env = cli_env(cache_dir, results_dir, env)
     return subprocess.run([sys.executable, str(ROOT / "src" / "run.py"), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)

@@ -7,15 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import error_line, run_cli
 
 SMOKE = ["experiment=smoke"]
-
-
-def error_line(proc) -> str:
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1, proc.stderr[-2000:]
-    return lines[0]
 
 
 def assert_nothing_looks_complete(results: Path):
@@ -86,7 +80,7 @@ def test_bad_input_is_one_line_and_nonzero(overrides, message, bad_files, cache_
     overrides = [o.replace("{bad}", str(bad_files)) for o in overrides]
     proc = run_cli([*SMOKE, *overrides], cache_dir, tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert message in error_line(proc)
+    assert message in error_line(proc.returncode, proc.stderr)
     assert_nothing_looks_complete(tmp_path)
 
 
@@ -105,7 +99,7 @@ def test_corrupt_target_files(cache_dir, tmp_path):
     (bad / "model.safetensors").write_bytes(b"\x00garbage" * 100)
     proc = run_cli([*SMOKE, "target=hf", f"target.name_or_path={bad}"], cache_dir, tmp_path / "results")
     assert proc.returncode == 2
-    assert "cannot load target" in error_line(proc)
+    assert "cannot load target" in error_line(proc.returncode, proc.stderr)
     assert_nothing_looks_complete(tmp_path / "results")
 
 
@@ -114,4 +108,4 @@ def test_malformed_jsonl_row_is_named_by_line(cache_dir, tmp_path):
     data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [oops\n')
     proc = run_cli([*SMOKE, f"data.sources=[jsonl:{data}]"], cache_dir, tmp_path / "results")
     assert proc.returncode == 2
-    assert f"{data}:2" in error_line(proc)
+    assert f"{data}:2" in error_line(proc.returncode, proc.stderr)

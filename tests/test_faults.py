@@ -17,16 +17,10 @@ import psutil
 import pytest
 import torch
 
-from conftest import ROOT, compose, run_cli
+from conftest import ROOT, cli_env, compose, error_line, run_cli
 from wandb_records import read_run
 
 SMOKE = ["experiment=smoke", "eval.suites.drift.enabled=false"]
-
-
-def error_line(returncode: int, stderr: str) -> str:
-    lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
-    assert returncode == 2 and len(lines) == 1, stderr[-2000:]
-    return lines[0]
 
 
 def ignore_sigint():  # what a shell does to a background job (`cmd &` in a script)
@@ -34,8 +28,7 @@ def ignore_sigint():  # what a shell does to a background job (`cmd &` in a scri
 
 
 def cli(args: list[str], cache_dir: Path, results: Path, **kw) -> subprocess.Popen:
-    env = {**os.environ, "EAGLELAB_CACHE_DIR": str(cache_dir), "EAGLELAB_RESULTS_DIR": str(results),
-           "PYTHONUNBUFFERED": "1", **kw.pop("env", {})}
+    env = cli_env(cache_dir, results, kw.pop("env", None))
     return subprocess.Popen([sys.executable, str(ROOT / "src" / "run.py"), *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 

