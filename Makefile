@@ -4,7 +4,7 @@ export PYTHON
 
 RESULTS ?= results
 
-.PHONY: setup run test smoke paper
+.PHONY: setup run test smoke paper lint
 setup:
 	@bash scripts/setup.sh
 
@@ -14,12 +14,20 @@ run: setup
 smoke: setup
 	$(PYTHON) src/run.py experiment=smoke $(ARGS)
 
-# The paper test builds a PDF: LaTeX comes with the test set-up.
+# Lint and format check first (ruff, configured in pyproject.toml), then the tests. The paper test builds a PDF:
+# LaTeX comes with the test set-up.
 test:
 	@EAGLELAB_LATEX=1 bash scripts/setup.sh
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
 	$(PYTHON) -m pytest -q tests
 
 # Every figure, table and number of paper/ regenerated from the results store, and paper/paper.pdf.
 paper:
 	@EAGLELAB_LATEX=1 bash scripts/setup.sh
 	$(PYTHON) paper/build.py $(RESULTS)
+
+# Fix what ruff can fix and format the code (what `make test` checks).
+lint:
+	$(PYTHON) -m ruff check --fix .
+	$(PYTHON) -m ruff format .

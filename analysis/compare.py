@@ -17,8 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from store import Run, load_or_exit, mean_ci, setups  # noqa: E402
+from analysis.store import Run, load_or_exit, mean_ci, setups
 
 
 def _keyed(metrics: dict, pattern: str) -> dict[str, float]:
@@ -32,8 +31,11 @@ def _nan(value) -> float:
 
 def _deepest(metrics: dict, measure: str) -> tuple[int, float]:
     """(depth, value) of a drift measure at the deepest draft depth a draft reached (NaN beyond it)."""
-    depths = {int(d): v for d, v in _keyed(metrics, rf"drift/{re.escape(measure)}@d(\d+)").items()
-              if v is not None and not math.isnan(v)}
+    depths = {
+        int(d): v
+        for d, v in _keyed(metrics, rf"drift/{re.escape(measure)}@d(\d+)").items()
+        if v is not None and not math.isnan(v)
+    }
     return (max(depths), depths[max(depths)]) if depths else (0, math.nan)
 
 
@@ -41,8 +43,9 @@ def measures(run: Run) -> dict[str, float]:
     """The numbers a comparison reads per run (each NaN where that run did not measure it)."""
     m, ttt = run.metrics, run.ttt
     lengths = {int(n): v for n, v in _keyed(m, rf"long_context/simulated/acceptance_length@(\d+)@k{ttt}").items()}
-    templates = {c: v for c, v in _keyed(m, rf"templates/simulated/ratio_to_native@(.+)@k{ttt}").items()
-                 if c != "native"}
+    templates = {
+        c: v for c, v in _keyed(m, rf"templates/simulated/ratio_to_native@(.+)@k{ttt}").items() if c != "native"
+    }
     rms1, (_, rms_deep) = m.get("drift/hidden_rms@d1"), _deepest(m, "hidden_rms")
     return {
         "tau": _nan(m.get(f"acceptance_length@k{ttt}")),
@@ -81,16 +84,27 @@ def comparison(runs: list[Run], reference: str = "eagle3") -> list[dict]:
     groups = setups(runs)
     rows = []
     for label, members in groups.items():
-        row = {"setup": label, "variant": members[0].variant, "seeds": len(members),
-               "seed_list": " ".join(str(r.seed) for r in members)}
+        row = {
+            "setup": label,
+            "variant": members[0].variant,
+            "seeds": len(members),
+            "seed_list": " ".join(str(r.seed) for r in members),
+        }
         per_run = [measures(r) for r in members]
         for key in COLUMNS:
             mean, ci, se, n = mean_ci([p[key] for p in per_run])
             row.update({key: mean, f"{key}_ci95": ci, f"{key}_se": se, f"{key}_n": n})
         rows.append(row)
     for row in rows:  # the reference setup: same label once the variant is swapped
-        twin = next((r for r in rows if r["variant"] == reference
-                     and r["setup"].removeprefix(reference) == row["setup"].removeprefix(row["variant"])), None)
+        twin = next(
+            (
+                r
+                for r in rows
+                if r["variant"] == reference
+                and r["setup"].removeprefix(reference) == row["setup"].removeprefix(row["variant"])
+            ),
+            None,
+        )
         row["tau_vs_reference"] = row["tau"] / twin["tau"] if twin else math.nan
     return rows
 
@@ -113,8 +127,9 @@ def markdown(rows: list[dict], reference: str) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         ratio = "–" if math.isnan(r["tau_vs_reference"]) else f"{r['tau_vs_reference']:.3f}×"
-        lines.append("| " + " | ".join([r["setup"], str(r["seeds"]), *(cell(r, k, COLUMNS[k][2]) for k in keys),
-                                        ratio]) + " |")
+        lines.append(
+            "| " + " | ".join([r["setup"], str(r["seeds"]), *(cell(r, k, COLUMNS[k][2]) for k in keys), ratio]) + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -127,7 +142,8 @@ def write(rows: list[dict], out: Path, reference: str) -> list[Path]:
     (out / "comparison.md").write_text(
         "Mean ± 95% CI (Student t) over seeds; simulated evaluator on the held-out prompts unless the column says "
         f"vLLM; ratios of seed means against `{reference}` with the same other settings.\n\n"
-        + markdown(rows, reference))
+        + markdown(rows, reference)
+    )
     return [out / "comparison.csv", out / "comparison.md"]
 
 

@@ -21,8 +21,7 @@ from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from eaglelab.plots import PALETTE, plt, save_figure, template_bars  # noqa: E402  (the runs' own style and colour-blind palette)
+from eaglelab.plots import PALETTE, plt, save_figure, template_bars  # the runs' own style and colour-blind palette
 
 
 def read_csv(path: Path) -> list[dict]:
@@ -40,11 +39,18 @@ def load_run(run_dir: Path) -> dict | None:
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     suites = run_dir / "suites"
     window = (cfg.get("resolved") or {}).get("attention_window", cfg["drafter"].get("attention_window"))
-    return {"dir": run_dir, "variant": info["variant"], "ttt": int(cfg["train"]["ttt_steps"]), "window": window,
-            "label": f"{info['variant']} ttt{cfg['train']['ttt_steps']}" + (f" window{window}" if window else ""),
-            "metrics": json.loads((run_dir / "metrics.json").read_text()),
-            **{name: read_csv(suites / f"{name}.csv") for name in
-               ("drift", "fc_balance", "extrapolation", "long_context", "templates")}}
+    return {
+        "dir": run_dir,
+        "variant": info["variant"],
+        "ttt": int(cfg["train"]["ttt_steps"]),
+        "window": window,
+        "label": f"{info['variant']} ttt{cfg['train']['ttt_steps']}" + (f" window{window}" if window else ""),
+        "metrics": json.loads((run_dir / "metrics.json").read_text()),
+        **{
+            name: read_csv(suites / f"{name}.csv")
+            for name in ("drift", "fc_balance", "extrapolation", "long_context", "templates")
+        },
+    }
 
 
 EVALUATOR = "preferred"  # --evaluator: simulated | vllm | preferred (vLLM where it measured, else simulated)
@@ -89,9 +95,19 @@ def ratios(runs: list[dict], reference: str) -> list[dict]:
             for cond in mine:
                 if cond in theirs and mine[cond]["evaluator"] == theirs[cond]["evaluator"]:
                     a, b = float(mine[cond]["acceptance_length"]), float(theirs[cond]["acceptance_length"])
-                    out.append({"suite": suite, "condition": cond, "k": run["ttt"],
-                                "evaluator": mine[cond]["evaluator"], "run": run["label"],
-                                "reference": ref["label"], "tau": a, "tau_reference": b, "ratio": a / b})
+                    out.append(
+                        {
+                            "suite": suite,
+                            "condition": cond,
+                            "k": run["ttt"],
+                            "evaluator": mine[cond]["evaluator"],
+                            "run": run["label"],
+                            "reference": ref["label"],
+                            "tau": a,
+                            "tau_reference": b,
+                            "ratio": a / b,
+                        }
+                    )
     return out
 
 
@@ -101,17 +117,19 @@ def write_table(rows: list[dict], path: Path) -> None:
         writer = csv.DictWriter(f, fieldnames=keys)
         writer.writeheader()
         writer.writerows(rows)
-    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else ("" if v is None else str(v))  # noqa: E731
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else ("" if v is None else str(v))
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(fmt(r.get(k)) for k in keys) + " |" for r in rows]
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
 def plot_drift(runs: list[dict], out: Path) -> None:
-    panels = [("hidden_rms", "RMS of the state fed to step j", "RMS (‖x‖/√d)"),
-              ("sink_share", "attention on the first token", "share"),
-              ("recent_share", "attention on the most recent keys", "share"),
-              ("context_share", "attention on verified context", "share")]
+    panels = [
+        ("hidden_rms", "RMS of the state fed to step j", "RMS (‖x‖/√d)"),
+        ("sink_share", "attention on the first token", "share"),
+        ("recent_share", "attention on the most recent keys", "share"),
+        ("context_share", "attention on verified context", "share"),
+    ]
     fig, axes = plt.subplots(1, 4, figsize=(14, 3.4), constrained_layout=True)
     for run, color in zip(runs, PALETTE):
         depth = [int(r["depth"]) for r in run["drift"]]
@@ -129,10 +147,16 @@ def plot_long_context(runs: list[dict], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.6), constrained_layout=True)
     for run, color in zip(runs, PALETTE):
         rows = sorted(preferred(run["long_context"], run["ttt"]).values(), key=lambda r: float(r["prompt_tokens"]))
-        ax.plot([float(r["prompt_tokens"]) for r in rows], [float(r["acceptance_length"]) for r in rows], "o-",
-                color=color, label=f"{run['label']} ({rows[0]['evaluator']}, k={run['ttt']})")
-    ticks = sorted({round(float(r["prompt_tokens"])) for run in runs
-                    for r in preferred(run["long_context"], run["ttt"]).values()})
+        ax.plot(
+            [float(r["prompt_tokens"]) for r in rows],
+            [float(r["acceptance_length"]) for r in rows],
+            "o-",
+            color=color,
+            label=f"{run['label']} ({rows[0]['evaluator']}, k={run['ttt']})",
+        )
+    ticks = sorted(
+        {round(float(r["prompt_tokens"])) for run in runs for r in preferred(run["long_context"], run["ttt"]).values()}
+    )
     ax.set(xscale="log", xlabel="prompt length (tokens)", ylabel="acceptance length τ", title="τ vs context length")
     ax.set_xticks(ticks, [str(t) for t in ticks])
     ax.minorticks_off()
@@ -144,8 +168,9 @@ def plot_long_context(runs: list[dict], out: Path) -> None:
 def plot_templates(runs: list[dict], out: Path) -> None:
     conditions = list(dict.fromkeys(r["condition"] for run in runs for r in run["templates"]))
     fig, ax = plt.subplots(figsize=(9, 3.8), constrained_layout=True)
-    template_bars(ax, conditions, [(f"{run['label']} (k={run['ttt']})", preferred(run["templates"], run["ttt"]))
-                                   for run in runs])
+    template_bars(
+        ax, conditions, [(f"{run['label']} (k={run['ttt']})", preferred(run["templates"], run["ttt"])) for run in runs]
+    )
     ax.set_ylim(bottom=1.0)
     ax.grid(alpha=0.3, axis="y")
     ax.legend(frameon=False, fontsize=8)
@@ -174,23 +199,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--reference", default="eagle3", help="variant every ratio is taken against")
-    ap.add_argument("--evaluator", default="preferred", choices=["preferred", "simulated", "vllm"],
-                    help="rows compared for long_context/templates (same evaluator on both sides of a ratio)")
+    ap.add_argument(
+        "--evaluator",
+        default="preferred",
+        choices=["preferred", "simulated", "vllm"],
+        help="rows compared for long_context/templates (same evaluator on both sides of a ratio)",
+    )
     args = ap.parse_args(argv)
     global EVALUATOR
     EVALUATOR = args.evaluator
     runs = [r for r in map(load_run, args.runs) if r is not None]
     if not runs:
-        print("error: no finished run among the given directories; pass run directories with metrics.json",
-              file=sys.stderr)
+        print(
+            "error: no finished run among the given directories; pass run directories with metrics.json",
+            file=sys.stderr,
+        )
         return 2
     runs.sort(key=lambda r: (-r["ttt"], r["variant"]))
     args.out.mkdir(parents=True, exist_ok=True)
     write_table([summary_row(r) for r in runs], args.out / "suites_comparison")
     if rows := ratios(runs, args.reference):
         write_table(rows, args.out / "ratios")
-    for suite, plot in (("drift", plot_drift), ("long_context", plot_long_context), ("templates", plot_templates),
-                        ("extrapolation", plot_extrapolation)):
+    for suite, plot in (
+        ("drift", plot_drift),
+        ("long_context", plot_long_context),
+        ("templates", plot_templates),
+        ("extrapolation", plot_extrapolation),
+    ):
         per_condition = suite in ("long_context", "templates")
         having = [r for r in runs if r[suite] and (not per_condition or preferred(r[suite], r["ttt"]))]
         if suite == "templates":  # bars need every condition: only the conditions all runs measured

@@ -20,12 +20,9 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from store import load_or_exit  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from eaglelab.errors import first_line  # noqa: E402
-from eaglelab.tracking import DRIFT_MEASURES  # noqa: E402  (the curves eaglelab.tracking logs)
+from analysis.store import load_or_exit
+from eaglelab.errors import first_line
+from eaglelab.tracking import DRIFT_MEASURES  # the curves eaglelab.tracking logs
 
 SEEDS = dict(groupby_aggfunc="mean", groupby_rangefunc="stderr")  # every panel: mean ± SE over seeds
 
@@ -34,12 +31,22 @@ def report_metrics(runs) -> dict:
     """What the runs measured: trained depths, and the per-condition summary keys of the templates suite."""
     keys = set().union(*(r.metrics for r in runs))
     ttts = sorted({r.ttt for r in runs})
-    template_keys = sorted(k for k in keys if re.fullmatch(r"templates/simulated/(acceptance_length|ratio_to_native)"
-                                                           r"@.+@k\d+", k))
-    return {"ttts": ttts, "templates": template_keys,
-            "long_context": any(k.startswith("long_context/simulated/") for k in keys),
-            "drift": any(k.startswith("drift/") for k in keys),
-            "vllm": any(k.startswith("vllm/acceptance_length") for k in keys)}
+    template_keys = sorted(
+        k
+        for k in keys
+        if re.fullmatch(
+            r"templates/simulated/(acceptance_length|ratio_to_native)"
+            r"@.+@k\d+",
+            k,
+        )
+    )
+    return {
+        "ttts": ttts,
+        "templates": template_keys,
+        "long_context": any(k.startswith("long_context/simulated/") for k in keys),
+        "drift": any(k.startswith("drift/") for k in keys),
+        "vllm": any(k.startswith("vllm/acceptance_length") for k in keys),
+    }
 
 
 def build_report(runs, project: str, entity: str, group: str | None, title: str):
@@ -47,8 +54,13 @@ def build_report(runs, project: str, entity: str, group: str | None, title: str)
 
     seen = report_metrics(runs)
     variant = wr.Config("variant")
-    runset = wr.Runset(entity=entity, project=project, name=group or "all runs", groupby=["config.variant"],
-                       filters=f"Metric('Group') == '{group}'" if group else "")
+    runset = wr.Runset(
+        entity=entity,
+        project=project,
+        name=group or "all runs",
+        groupby=["config.variant"],
+        filters=f"Metric('Group') == '{group}'" if group else "",
+    )
 
     def line(title, x, y, xlabel, ylabel, **kw):
         return wr.LinePlot(title=title, x=x, y=[y], title_x=xlabel, title_y=ylabel, groupby=variant, **SEEDS, **kw)
@@ -56,38 +68,102 @@ def build_report(runs, project: str, entity: str, group: str | None, title: str)
     def grid(*panels):
         return wr.PanelGrid(runsets=[runset], panels=list(panels))
 
-    by_k = [line("τ vs draft depth (simulated, all held-out prompts)", "by_k/k", "by_k/acceptance_length",
-                 "draft tokens per round k", "acceptance length τ"),
-            line("τ(k) / τ(ttt_steps): train → inference extrapolation", "by_k/k", "by_k/relative_to_ttt",
-                 "draft tokens per round k", "τ relative to the trained depth")]
+    by_k = [
+        line(
+            "τ vs draft depth (simulated, all held-out prompts)",
+            "by_k/k",
+            "by_k/acceptance_length",
+            "draft tokens per round k",
+            "acceptance length τ",
+        ),
+        line(
+            "τ(k) / τ(ttt_steps): train → inference extrapolation",
+            "by_k/k",
+            "by_k/relative_to_ttt",
+            "draft tokens per round k",
+            "τ relative to the trained depth",
+        ),
+    ]
     if seen["vllm"]:
-        by_k.append(line("τ vs draft depth, vLLM", "by_k/k", "by_k/acceptance_length_vllm",
-                         "draft tokens per round k", "acceptance length τ (vLLM)"))
-    blocks = [wr.TableOfContents(),
-              wr.P(f"{len(runs)} runs, variants: {', '.join(sorted({r.variant for r in runs}))}; trained depths "
-                   f"ttt_steps ∈ {seen['ttts']}. Each line is a variant's mean over seeds, the band ± one standard "
-                   "error. Built by analysis/dashboard.py from the results store."),
-              wr.H1("Acceptance length vs draft depth"), grid(*by_k)]
+        by_k.append(
+            line(
+                "τ vs draft depth, vLLM",
+                "by_k/k",
+                "by_k/acceptance_length_vllm",
+                "draft tokens per round k",
+                "acceptance length τ (vLLM)",
+            )
+        )
+    blocks = [
+        wr.TableOfContents(),
+        wr.P(
+            f"{len(runs)} runs, variants: {', '.join(sorted({r.variant for r in runs}))}; trained depths "
+            f"ttt_steps ∈ {seen['ttts']}. Each line is a variant's mean over seeds, the band ± one standard "
+            "error. Built by analysis/dashboard.py from the results store."
+        ),
+        wr.H1("Acceptance length vs draft depth"),
+        grid(*by_k),
+    ]
     if seen["long_context"]:
-        blocks += [wr.H1("Long context"),
-                   grid(line("τ vs prompt length (k = ttt_steps)", "by_length/prompt_tokens",
-                             "by_length/acceptance_length", "prompt length (tokens)", "acceptance length τ",
-                             log_x=True))]
+        blocks += [
+            wr.H1("Long context"),
+            grid(
+                line(
+                    "τ vs prompt length (k = ttt_steps)",
+                    "by_length/prompt_tokens",
+                    "by_length/acceptance_length",
+                    "prompt length (tokens)",
+                    "acceptance length τ",
+                    log_x=True,
+                )
+            ),
+        ]
     if seen["templates"]:
-        bars = [wr.BarPlot(title=f"τ per template condition ({kind})", orientation="v", groupby=variant, **SEEDS,
-                           metrics=[k for k in seen["templates"] if f"/{kind}@" in k], title_y=kind)
-                for kind in ("acceptance_length", "ratio_to_native")]
+        bars = [
+            wr.BarPlot(
+                title=f"τ per template condition ({kind})",
+                orientation="v",
+                groupby=variant,
+                **SEEDS,
+                metrics=[k for k in seen["templates"] if f"/{kind}@" in k],
+                title_y=kind,
+            )
+            for kind in ("acceptance_length", "ratio_to_native")
+        ]
         blocks += [wr.H1("Chat templates and system prompts"), grid(*bars)]
     if seen["drift"]:
-        blocks += [wr.H1("Attention drift per draft depth"),
-                   grid(*(line(f"{m} per draft depth", "by_depth/depth", f"by_depth/{m}", "draft depth j", m)
-                          for m in DRIFT_MEASURES))]
-    blocks += [wr.H1("Training"),
-               grid(line("training loss", "trainer/global_step", "train/loss", "optimizer step", "loss"),
-                    *(line(f"validation τ at k = {t}", "trainer/global_step", f"val/acceptance_length@k{t}",
-                           "optimizer step", "τ") for t in seen["ttts"]))]
-    return wr.Report(project=project, entity=entity, title=title, blocks=blocks,
-                     description="EAGLE-3 / EAGLE-3.1 drafter variants under shifted conditions (eaglelab)")
+        blocks += [
+            wr.H1("Attention drift per draft depth"),
+            grid(
+                *(
+                    line(f"{m} per draft depth", "by_depth/depth", f"by_depth/{m}", "draft depth j", m)
+                    for m in DRIFT_MEASURES
+                )
+            ),
+        ]
+    blocks += [
+        wr.H1("Training"),
+        grid(
+            line("training loss", "trainer/global_step", "train/loss", "optimizer step", "loss"),
+            *(
+                line(
+                    f"validation τ at k = {t}",
+                    "trainer/global_step",
+                    f"val/acceptance_length@k{t}",
+                    "optimizer step",
+                    "τ",
+                )
+                for t in seen["ttts"]
+            ),
+        ),
+    ]
+    return wr.Report(
+        project=project,
+        entity=entity,
+        title=title,
+        blocks=blocks,
+        description="EAGLE-3 / EAGLE-3.1 drafter variants under shifted conditions (eaglelab)",
+    )
 
 
 def specification(report) -> dict:
@@ -126,9 +202,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         report.save()
-    except Exception as e:  # noqa: BLE001  not logged in, no network, no such project
-        print(f"error: could not save the report to W&B ({first_line(e)}); run `wandb login` and "
-              "`wandb sync` the runs first, or use --dry-run SPEC.json", file=sys.stderr)
+    except Exception as e:  # not logged in, no network, no such project
+        print(
+            f"error: could not save the report to W&B ({first_line(e)}); run `wandb login` and "
+            "`wandb sync` the runs first, or use --dry-run SPEC.json",
+            file=sys.stderr,
+        )
         return 2
     print(report.url)
     return 0

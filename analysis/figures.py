@@ -16,19 +16,24 @@ from pathlib import Path
 
 import pandas as pd
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from store import Run, aggregate, load_or_exit, setups  # noqa: E402
+from analysis.store import Run, aggregate, load_or_exit, setups
+from eaglelab.plots import PALETTE, plt, save_figure  # the runs' own palette and PNG+PDF saving
 
-from eaglelab.plots import PALETTE, plt, save_figure  # noqa: E402  (the runs' own palette and PNG+PDF saving)
-
-plt.rcParams.update({"font.size": 9, "axes.titlesize": 9, "axes.labelsize": 9, "legend.fontsize": 8,
-                     "axes.spines.top": False, "axes.spines.right": False})
+plt.rcParams.update(
+    {
+        "font.size": 9,
+        "axes.titlesize": 9,
+        "axes.labelsize": 9,
+        "legend.fontsize": 8,
+        "axes.spines.top": False,
+        "axes.spines.right": False,
+    }
+)
 ERR = dict(capsize=3, elinewidth=1, markersize=4)
 MARKERS = "osD^v<>p"  # past 8 setups the colours repeat: the marker tells them apart
 
 
-def _frames(members: list[Run], table: str, **where) -> list[pd.DataFrame]:
+def seed_frames(members: list[Run], table: str, **where) -> list[pd.DataFrame]:
     """Each seed's rows of `table` matching `where` (column == value)."""
     out = []
     for r in members:
@@ -47,13 +52,19 @@ def _curve(ax, groups, colors, table, x, y, log_x: bool = False, **where) -> boo
     that overlapping lines and error bars stay visible."""
     drawn = False
     for i, (label, members) in enumerate(groups.items()):
-        if frames := _frames(members, table, **where):
+        if frames := seed_frames(members, table, **where):
             agg = aggregate(frames, [x], y)
             shift = (i - (len(groups) - 1) / 2) * 0.04
             xs = agg[x] * (1 + shift / 2) if log_x else agg[x] + shift
-            ax.errorbar(xs, agg["mean"], yerr=agg["se"], fmt=f"{MARKERS[i // len(PALETTE) % len(MARKERS)]}-",
-                        color=colors[label],
-                        label=f"{label} (n={len(frames)})", **ERR)
+            ax.errorbar(
+                xs,
+                agg["mean"],
+                yerr=agg["se"],
+                fmt=f"{MARKERS[i // len(PALETTE) % len(MARKERS)]}-",
+                color=colors[label],
+                label=f"{label} (n={len(frames)})",
+                **ERR,
+            )
             drawn = True
     ax.grid(alpha=0.3)
     return drawn
@@ -63,13 +74,26 @@ def fig_tau_vs_k(groups, colors, out: Path) -> Path | None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.4), constrained_layout=True)
     if not _curve(ax1, groups, colors, "acceptance", "k", "acceptance_length", evaluator="simulated"):
         return plt.close(fig)
-    ax1.set(xlabel="draft tokens per round k", ylabel="acceptance length τ (tokens / target step)",
-            title="τ vs draft depth")
+    ax1.set(
+        xlabel="draft tokens per round k", ylabel="acceptance length τ (tokens / target step)", title="τ vs draft depth"
+    )
     ax1.legend(frameon=False)
-    _curve(ax2, groups, colors, "per_position", "position", "acceptance_rate", evaluator="simulated",
-           k=lambda r: int(r.tables["per_position"]["k"].max()))
-    ax2.set(xlabel="draft position i", ylabel="share of rounds accepting draft i", ylim=(0, 1),
-            title="per-position acceptance at the deepest k")
+    _curve(
+        ax2,
+        groups,
+        colors,
+        "per_position",
+        "position",
+        "acceptance_rate",
+        evaluator="simulated",
+        k=lambda r: int(r.tables["per_position"]["k"].max()),
+    )
+    ax2.set(
+        xlabel="draft position i",
+        ylabel="share of rounds accepting draft i",
+        ylim=(0, 1),
+        title="per-position acceptance at the deepest k",
+    )
     return save_figure(fig, out / "tau_vs_k.png")
 
 
@@ -81,21 +105,43 @@ def fig_extrapolation(groups, colors, out: Path) -> Path | None:
     for t in ttts:
         ax.axvline(t, color="grey", lw=0.8, ls=":")
     ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set(xlabel="draft tokens per round k (dotted: trained depth ttt_steps)", ylabel="τ(k) / τ(ttt_steps)",
-           title="train → inference extrapolation")
+    ax.set(
+        xlabel="draft tokens per round k (dotted: trained depth ttt_steps)",
+        ylabel="τ(k) / τ(ttt_steps)",
+        title="train → inference extrapolation",
+    )
     ax.legend(frameon=False)
     return save_figure(fig, out / "extrapolation.png")
 
 
 def fig_long_context(groups, colors, out: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(5, 3.4), constrained_layout=True)
-    if not _curve(ax, groups, colors, "suites/long_context", "prompt_tokens", "acceptance_length", log_x=True,
-                  evaluator="simulated", k=lambda r: r.ttt):
+    if not _curve(
+        ax,
+        groups,
+        colors,
+        "suites/long_context",
+        "prompt_tokens",
+        "acceptance_length",
+        log_x=True,
+        evaluator="simulated",
+        k=lambda r: r.ttt,
+    ):
         return plt.close(fig)
-    ticks = sorted({round(t) for members in groups.values() for f in _frames(members, "suites/long_context")
-                    for t in f["prompt_tokens"]})
-    ax.set(xscale="log", xlabel="prompt length (tokens)", ylabel="acceptance length τ at k = ttt_steps",
-           title="τ vs context length")
+    ticks = sorted(
+        {
+            round(t)
+            for members in groups.values()
+            for f in seed_frames(members, "suites/long_context")
+            for t in f["prompt_tokens"]
+        }
+    )
+    ax.set(
+        xscale="log",
+        xlabel="prompt length (tokens)",
+        ylabel="acceptance length τ at k = ttt_steps",
+        title="τ vs context length",
+    )
     ax.set_xticks(ticks, [str(t) for t in ticks])
     ax.minorticks_off()
     ax.legend(frameon=False)
@@ -103,25 +149,44 @@ def fig_long_context(groups, colors, out: Path) -> Path | None:
 
 
 def fig_templates(groups, colors, out: Path) -> Path | None:
-    series = {label: aggregate(frames, ["condition"], "acceptance_length")
-              for label, members in groups.items()
-              if (frames := _frames(members, "suites/templates", evaluator="simulated", k=lambda r: r.ttt))}
+    series = {
+        label: aggregate(frames, ["condition"], "acceptance_length")
+        for label, members in groups.items()
+        if (frames := seed_frames(members, "suites/templates", evaluator="simulated", k=lambda r: r.ttt))
+    }
     if not series:
         return None
-    conditions = list(dict.fromkeys(c for members in groups.values()
-                                    for f in _frames(members, "suites/templates") for c in f["condition"]))
+    conditions = list(
+        dict.fromkeys(
+            c for members in groups.values() for f in seed_frames(members, "suites/templates") for c in f["condition"]
+        )
+    )
     conditions = [c for c in conditions if all(c in set(a["condition"]) for a in series.values())]
-    ratios = {label: aggregate(_frames(groups[label], "suites/templates", evaluator="simulated",
-                                       k=lambda r: r.ttt), ["condition"], "ratio_to_native").set_index("condition")
-              for label in series}
+    ratios = {
+        label: aggregate(
+            seed_frames(groups[label], "suites/templates", evaluator="simulated", k=lambda r: r.ttt),
+            ["condition"],
+            "ratio_to_native",
+        ).set_index("condition")
+        for label in series
+    }
     fig, ax = plt.subplots(figsize=(9, 3.6), constrained_layout=True)
     width = 0.8 / len(series)
     for i, (label, agg) in enumerate(series.items()):
         agg = agg.set_index("condition").loc[conditions]
-        bars = ax.bar([j + i * width for j in range(len(conditions))], agg["mean"], width, yerr=agg["se"],
-                      color=colors[label], label=label, capsize=2, error_kw={"elinewidth": 0.8})
-        ax.bar_label(bars, [f"{ratios[label].loc[c, 'mean']:.2f}×" for c in conditions], fontsize=6, padding=2,
-                     rotation=90)  # upright labels overlap once there are more than two setups
+        bars = ax.bar(
+            [j + i * width for j in range(len(conditions))],
+            agg["mean"],
+            width,
+            yerr=agg["se"],
+            color=colors[label],
+            label=label,
+            capsize=2,
+            error_kw={"elinewidth": 0.8},
+        )
+        ax.bar_label(
+            bars, [f"{ratios[label].loc[c, 'mean']:.2f}×" for c in conditions], fontsize=6, padding=2, rotation=90
+        )  # upright labels overlap once there are more than two setups
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(conditions))], conditions, rotation=30, ha="right")
     ax.set(ylabel="acceptance length τ at k = ttt_steps", title="τ per prompt condition (labels: ratio to native)")
     ax.set_ylim(bottom=1.0)
@@ -131,10 +196,12 @@ def fig_templates(groups, colors, out: Path) -> Path | None:
 
 
 def fig_drift(groups, colors, out: Path) -> Path | None:
-    panels = [("hidden_rms", "RMS of the state fed to step j", "RMS (‖x‖/√d)"),
-              ("sink_share", "attention on the first token", "share of attention"),
-              ("context_share", "attention on verified context", "share of attention"),
-              ("recent_share", "attention on the most recent keys", "share of attention")]
+    panels = [
+        ("hidden_rms", "RMS of the state fed to step j", "RMS (‖x‖/√d)"),
+        ("sink_share", "attention on the first token", "share of attention"),
+        ("context_share", "attention on verified context", "share of attention"),
+        ("recent_share", "attention on the most recent keys", "share of attention"),
+    ]
     fig, axes = plt.subplots(1, 4, figsize=(13, 3.7), constrained_layout=True)
     for ax, (column, title, ylabel) in zip(axes, panels):
         if not _curve(ax, groups, colors, "suites/drift", "depth", column):
@@ -146,8 +213,11 @@ def fig_drift(groups, colors, out: Path) -> Path | None:
 
 
 def fig_fc_balance(groups, colors, out: Path) -> Path | None:
-    series = {label: aggregate(frames, ["aux_layer"], "input_share") for label, members in groups.items()
-              if (frames := _frames(members, "suites/fc_balance"))}
+    series = {
+        label: aggregate(frames, ["aux_layer"], "input_share")
+        for label, members in groups.items()
+        if (frames := seed_frames(members, "suites/fc_balance"))
+    }
     if not series:
         return None
     layers = sorted(set.intersection(*(set(a["aux_layer"]) for a in series.values())))
@@ -155,8 +225,15 @@ def fig_fc_balance(groups, colors, out: Path) -> Path | None:
     width = 0.8 / len(series)
     for i, (label, agg) in enumerate(series.items()):
         agg = agg.set_index("aux_layer").loc[layers]
-        ax.bar([j + i * width for j in range(len(layers))], agg["mean"], width, yerr=agg["se"], capsize=2,
-               color=colors[label], label=label)
+        ax.bar(
+            [j + i * width for j in range(len(layers))],
+            agg["mean"],
+            width,
+            yerr=agg["se"],
+            capsize=2,
+            color=colors[label],
+            label=label,
+        )
     ax.axhline(1 / len(layers), color="grey", lw=0.8, ls="--", label="equal shares")
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(layers))], [f"layer {x}" for x in layers])
     ax.set(ylabel="share of ‖fc input‖²", ylim=(0, 1), title="fc input balance per aux layer")
@@ -166,18 +243,22 @@ def fig_fc_balance(groups, colors, out: Path) -> Path | None:
 
 def fig_speedup(groups, colors, out: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(5, 3.4), constrained_layout=True)
-    if not _curve(ax, groups, colors, "throughput", "concurrency", "speedup", log_x=True, method="eagle3",
-                  k=lambda r: r.ttt):
+    if not _curve(
+        ax, groups, colors, "throughput", "concurrency", "speedup", log_x=True, method="eagle3", k=lambda r: r.ttt
+    ):
         return plt.close(fig)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set(xscale="log", xlabel="concurrent requests", ylabel="speedup vs no speculation (×)",
-           title="vLLM decode speedup at k = ttt_steps")
+    ax.set(
+        xscale="log",
+        xlabel="concurrent requests",
+        ylabel="speedup vs no speculation (×)",
+        title="vLLM decode speedup at k = ttt_steps",
+    )
     ax.legend(frameon=False)
     return save_figure(fig, out / "speedup.png")
 
 
-FIGURES = [fig_tau_vs_k, fig_extrapolation, fig_long_context, fig_templates, fig_drift, fig_fc_balance,
-           fig_speedup]
+FIGURES = [fig_tau_vs_k, fig_extrapolation, fig_long_context, fig_templates, fig_drift, fig_fc_balance, fig_speedup]
 
 
 def draw_all(runs: list[Run], out: Path) -> list[Path]:

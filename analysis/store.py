@@ -19,12 +19,22 @@ import pandas as pd
 import yaml
 from scipy import stats
 
+from eaglelab.variants import VARIANT_FLAGS
+
 # Config keys that do not change what was measured (where results went, how they were logged).
 NOT_SETUP = ("train.seed", "run_dir", "paths.", "logger.", "checkpoint", "hydra.", "objective")
-# What the conf/ablation presets set besides the variant's name: implied by the variant, not shown in labels.
-ABLATION_FLAGS = ("drafter.fc_norm", "drafter.norm_output", "drafter.norm_before_fc", "drafter.norm_before_residual")
-RESULT_TABLES = ["acceptance.csv", "per_position.csv", "throughput.csv", "suites/extrapolation.csv",
-                 "suites/long_context.csv", "suites/templates.csv", "suites/drift.csv", "suites/fc_balance.csv"]
+# The flags a variant fixes (eaglelab.variants): implied by the variant's name, not shown in labels.
+ABLATION_FLAGS = tuple(f"drafter.{flag}" for flag in VARIANT_FLAGS)
+RESULT_TABLES = [
+    "acceptance.csv",
+    "per_position.csv",
+    "throughput.csv",
+    "suites/extrapolation.csv",
+    "suites/long_context.csv",
+    "suites/templates.csv",
+    "suites/drift.csv",
+    "suites/fc_balance.csv",
+]
 
 
 class StoreError(Exception):
@@ -73,8 +83,10 @@ def read_run(run_dir: Path) -> Run:
     if not isinstance(metrics, dict) or not isinstance(config, dict):
         raise ValueError("metrics.json or config.yaml does not hold a mapping")
     if "suites" not in (config.get("eval") or {}):
-        raise ValueError("written by an older eaglelab (config.yaml has no eval.suites): re-evaluate it with "
-                         f"`python src/run.py checkpoint={run_dir}`")
+        raise ValueError(
+            "written by an older eaglelab (config.yaml has no eval.suites): re-evaluate it with "
+            f"`python src/run.py checkpoint={run_dir}`"
+        )
     config.pop("resolved", None)
     flat = flatten(config)
     try:
@@ -100,7 +112,7 @@ def find_run_dirs(roots: list[Path]) -> list[Path]:
         if not root.exists():
             raise StoreError(f"{root} does not exist; pass a results directory (e.g. results/) or run directories")
         marks = [p.parent for name in ("run.json", "metrics.json") for p in root.rglob(name)]
-        inside = lambda d: {"wandb", "drafter"} & set(d.relative_to(root).parts)  # noqa: E731  (W&B's own files)
+        inside = lambda d: {"wandb", "drafter"} & set(d.relative_to(root).parts)  # (W&B's own files)
         found += sorted({d for d in marks if not inside(d)})
     return list(dict.fromkeys(found))
 
@@ -124,15 +136,24 @@ def load(roots: list[Path], warn=lambda msg: print(msg, file=sys.stderr), duplic
         except ValueError as e:
             warn(f"skipped {run_dir}: {e}")
     if not runs:
-        raise StoreError(f"no finished run under {', '.join(map(str, roots))}; a run is finished when its "
-                         "directory holds metrics.json (`python src/run.py ...` writes one)")
-    def by_variant(k):  # an ablation flag the variant fixes (its preset) says nothing the variant does not
-        return k in ABLATION_FLAGS and all(len({repr(r.config.get(k)) for r in runs if r.variant == v}) == 1
-                                                for v in {r.variant for r in runs})
+        raise StoreError(
+            f"no finished run under {', '.join(map(str, roots))}; a run is finished when its "
+            "directory holds metrics.json (`python src/run.py ...` writes one)"
+        )
 
-    differing = sorted(k for k in set().union(*(r.config for r in runs))
-                       if not k.startswith(NOT_SETUP) and k != "variant"
-                       and len({repr(r.config.get(k)) for r in runs}) > 1 and not by_variant(k))
+    def by_variant(k):  # an ablation flag the variant fixes (its preset) says nothing the variant does not
+        return k in ABLATION_FLAGS and all(
+            len({repr(r.config.get(k)) for r in runs if r.variant == v}) == 1 for v in {r.variant for r in runs}
+        )
+
+    differing = sorted(
+        k
+        for k in set().union(*(r.config for r in runs))
+        if not k.startswith(NOT_SETUP)
+        and k != "variant"
+        and len({repr(r.config.get(k)) for r in runs}) > 1
+        and not by_variant(k)
+    )
     last = [k.split(".")[-1] for k in differing]
     names = {k: (k.split(".")[-1] if last.count(k.split(".")[-1]) == 1 else k) for k in differing}
     for r in runs:
@@ -142,8 +163,9 @@ def load(roots: list[Path], warn=lambda msg: print(msg, file=sys.stderr), duplic
     kept: dict[tuple[str, int], Run] = {}
     for r in sorted(runs, key=_finished):
         if (r.setup, r.seed) in kept:
-            duplicate(f"skipped {kept[(r.setup, r.seed)].dir}: the same setup and seed as {r.dir} "
-                      "(the later one is kept)")
+            duplicate(
+                f"skipped {kept[(r.setup, r.seed)].dir}: the same setup and seed as {r.dir} (the later one is kept)"
+            )
         kept[(r.setup, r.seed)] = r
     return sorted(kept.values(), key=lambda r: (r.setup, r.seed))
 

@@ -13,20 +13,18 @@ Prints a small table; `--json PATH` also writes the figures.
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+import torch
 
-import torch  # noqa: E402
-
-from eaglelab.config import TargetConfig  # noqa: E402
-from eaglelab.data.capture import capture_batch  # noqa: E402
-from eaglelab.data.prepare import bf16_bits  # noqa: E402
-from eaglelab.data.prompts import humaneval_prompts  # noqa: E402
-from eaglelab.data.regenerate import generate, template_prompt  # noqa: E402
-from eaglelab.targets import load_target  # noqa: E402
+from eaglelab.config import TargetConfig
+from eaglelab.data.capture import capture_batch
+from eaglelab.data.prepare import bf16_bits
+from eaglelab.data.prompts import humaneval_prompts
+from eaglelab.data.regenerate import generate
+from eaglelab.data.templates import template_prompt
+from eaglelab.targets import load_target
 
 
 def main():
@@ -36,9 +34,13 @@ def main():
     ap.add_argument("--seqs", type=int, default=8)
     ap.add_argument("--len", type=int, default=512)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--prompt-share", type=float, default=0.5,
-                    help="share of each sequence that is prompt (capture computes labels only after it; "
-                         "the default run's data is ~0.5)")
+    ap.add_argument(
+        "--prompt-share",
+        type=float,
+        default=0.5,
+        help="share of each sequence that is prompt (capture computes labels only after it; "
+        "the default run's data is ~0.5)",
+    )
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--gen-prompts", type=int, default=8)
     ap.add_argument("--gen-tokens", type=int, default=48)
@@ -53,12 +55,12 @@ def main():
     def bare():
         with torch.no_grad():
             for i in range(0, len(seqs), args.batch):
-                ids = torch.tensor(seqs[i: i + args.batch])
+                ids = torch.tensor(seqs[i : i + args.batch])
                 target.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
 
     def capture():
         for i in range(0, len(seqs), args.batch):
-            batch = seqs[i: i + args.batch]
+            batch = seqs[i : i + args.batch]
             for a, f, n in capture_batch(target, batch, aux, [max(1, int(args.prompt_share * len(s))) for s in batch]):
                 bf16_bits(a), bf16_bits(f), n.tolist()
 
@@ -74,8 +76,12 @@ def main():
         return n
 
     bare()  # warm-up
-    fns = {"bare_forward": bare, "capture": capture,
-           "generate": lambda: gen(None), "generate+capture": lambda: gen(aux)}
+    fns = {
+        "bare_forward": bare,
+        "capture": capture,
+        "generate": lambda: gen(None),
+        "generate+capture": lambda: gen(aux),
+    }
     times = {k: [] for k in fns}
     gen_tokens = gen(None)
     for _ in range(args.repeats):  # interleaved, so drift in machine load hits all alike
@@ -85,16 +91,20 @@ def main():
             times[name].append(time.perf_counter() - t0)
     work = {"bare_forward": tokens, "capture": tokens, "generate": gen_tokens, "generate+capture": gen_tokens}
     med = {k: work[k] / statistics.median(v) for k, v in times.items()}
-    ratios = {"capture/bare_forward": med["capture"] / med["bare_forward"],
-              "generate+capture/generate": med["generate+capture"] / med["generate"]}
+    ratios = {
+        "capture/bare_forward": med["capture"] / med["bare_forward"],
+        "generate+capture/generate": med["generate+capture"] / med["generate"],
+    }
     print(f"{'':18s} {'tok/s (median of ' + str(args.repeats) + ')':>24s}")
     for k, v in med.items():
         print(f"{k:18s} {v:24.0f}")
     for k, v in ratios.items():
         print(f"{k:28s} {v:.3f}")
-    print(f"({args.target}; forward: {args.seqs}x{args.len} tokens, batch {args.batch}, prompt share "
-          f"{args.prompt_share}; "
-          f"generate: {len(prompts)} HumanEval prompts x {args.gen_tokens} new tokens)")
+    print(
+        f"({args.target}; forward: {args.seqs}x{args.len} tokens, batch {args.batch}, prompt share "
+        f"{args.prompt_share}; "
+        f"generate: {len(prompts)} HumanEval prompts x {args.gen_tokens} new tokens)"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps({"tokens_per_s": med, "ratios": ratios, "args": vars(args)}, indent=2))
 

@@ -17,8 +17,18 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ["convert", "regenerate", "capture", "prepare_suites", "train", "export", "evaluate", "evaluate_vllm",
-          "suites", "total"]
+STAGES = [
+    "convert",
+    "regenerate",
+    "capture",
+    "prepare_suites",
+    "train",
+    "export",
+    "evaluate",
+    "evaluate_vllm",
+    "suites",
+    "total",
+]
 
 
 def main():
@@ -35,9 +45,19 @@ def main():
         for i, kind in enumerate(args.runs.split(",")):
             if kind == "cold" or cache is None:
                 cache = f"{tmp}/cache-{i}"  # fresh: nothing converted, regenerated or captured yet
-            proc = subprocess.run([sys.executable, str(ROOT / "src" / "run.py"), f"paths.cache_dir={cache}",
-                                   f"paths.results_dir={tmp}/results", *args.overrides],
-                                  cwd=ROOT, capture_output=True, text=True, check=False)
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    str(ROOT / "src" / "run.py"),
+                    f"paths.cache_dir={cache}",
+                    f"paths.results_dir={tmp}/results",
+                    *args.overrides,
+                ],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
             if proc.returncode != 0:
                 sys.exit(f"{kind} run failed: {proc.stderr.strip().splitlines()[-1:]}")
             run_dir = Path(proc.stdout.strip().splitlines()[-1].removeprefix("run_dir: "))
@@ -47,8 +67,13 @@ def main():
             runs.append((f"{kind}#{sum(k.startswith(kind) for k, _ in runs) + 1}", row))
             print(f"{kind}: {row['total']:.0f} s", file=sys.stderr, flush=True)
     kinds = list(dict.fromkeys(name.split("#")[0] for name, _ in runs))
-    medians = [(f"{k} median", {s: statistics.median(r[s] for n, r in runs if n.startswith(k + "#"))
-                                for s in [*STAGES, "tau@k3"]}) for k in kinds]
+    medians = [
+        (
+            f"{k} median",
+            {s: statistics.median(r[s] for n, r in runs if n.startswith(k + "#")) for s in [*STAGES, "tau@k3"]},
+        )
+        for k in kinds
+    ]
     columns = runs + medians
     print(f"{'stage':<15}" + "".join(f"{name:>13}" for name, _ in columns))
     for s in STAGES:

@@ -50,13 +50,14 @@ def _env(cache_dir: Path) -> dict:
 def checkpoint_step(path: Path) -> int:
     try:
         return int(torch.load(path, map_location="cpu", weights_only=False)["global_step"])
-    except Exception:  # noqa: BLE001 — being replaced right now: look again
+    except Exception:  # being replaced right now: look again
         return -1
 
 
 def run_to_end(run_dir: Path, cache_dir: Path, overrides: list[str], timeout: int = 900) -> None:
-    proc = subprocess.run(_cmd(run_dir, overrides), cwd=ROOT, env=_env(cache_dir), capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        _cmd(run_dir, overrides), cwd=ROOT, env=_env(cache_dir), capture_output=True, text=True, timeout=timeout
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"run failed ({proc.returncode}): {proc.stderr.strip().splitlines()[-3:]}")
 
@@ -64,8 +65,9 @@ def run_to_end(run_dir: Path, cache_dir: Path, overrides: list[str], timeout: in
 def kill_at(point: str, run_dir: Path, cache_dir: Path, overrides: list[str], timeout: int = 900) -> int | None:
     """Start a run and kill it at `point`; returns the checkpoint step the kill hit (None before training)."""
     marker, step, sig = POINTS[point]
-    proc = subprocess.Popen(_cmd(run_dir, overrides), cwd=ROOT, env=_env(cache_dir), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        _cmd(run_dir, overrides), cwd=ROOT, env=_env(cache_dir), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.time() + timeout
     try:
         while time.time() < deadline:
@@ -106,8 +108,17 @@ def measure(points: list[str], workdir: Path, cache_dir: Path, overrides: list[s
         run_to_end(run_dir, cache_dir, overrides)  # the same command again: resumes
         attempts = json.loads((run_dir / "run.json").read_text())["attempt"]
         weights, metrics, differ = compare(run_dir, reference)
-        rows.append({"point": point, "killed_at_step": hit, "status_after_kill": state, "attempts": attempts,
-                     "weights_identical": weights, "metrics_identical": metrics, "differing": differ[:5]})
+        rows.append(
+            {
+                "point": point,
+                "killed_at_step": hit,
+                "status_after_kill": state,
+                "attempts": attempts,
+                "weights_identical": weights,
+                "metrics_identical": metrics,
+                "differing": differ[:5],
+            }
+        )
     return rows
 
 
@@ -125,8 +136,10 @@ def main():
         rows = measure(args.points.split(","), work, work / "cache", args.overrides)
     print(f"{'point':<12}{'killed at step':>15}{'status':>13}{'attempts':>9}{'weights':>9}{'metrics':>9}")
     for r in rows:
-        print(f"{r['point']:<12}{str(r['killed_at_step']):>15}{str(r['status_after_kill']):>13}{r['attempts']:>9}"
-              f"{'same' if r['weights_identical'] else 'DIFF':>9}{'same' if r['metrics_identical'] else 'DIFF':>9}")
+        print(
+            f"{r['point']:<12}{str(r['killed_at_step']):>15}{str(r['status_after_kill']):>13}{r['attempts']:>9}"
+            f"{'same' if r['weights_identical'] else 'DIFF':>9}{'same' if r['metrics_identical'] else 'DIFF':>9}"
+        )
     ok = sum(r["weights_identical"] and r["metrics_identical"] for r in rows)
     print(f"identical to the uninterrupted run: {ok}/{len(rows)}")
     if args.json:

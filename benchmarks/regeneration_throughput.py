@@ -12,17 +12,15 @@ the figures.
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from eaglelab.config import TargetConfig  # noqa: E402
-from eaglelab.data.prompts import mix_sources  # noqa: E402
-from eaglelab.data.regenerate import generate, generate_vllm, template_prompt  # noqa: E402
-from eaglelab.targets import load_target  # noqa: E402
+from eaglelab.config import TargetConfig
+from eaglelab.data.prompts import mix_sources
+from eaglelab.data.regenerate import generate, generate_vllm
+from eaglelab.data.templates import template_prompt
+from eaglelab.targets import load_target
 
 
 def main():
@@ -36,8 +34,10 @@ def main():
     ap.add_argument("--json")
     args = ap.parse_args()
     target = load_target(TargetConfig(kind=args.target, dtype="bfloat16"), args.cache_dir)
-    prompts = [template_prompt(target.tokenizer, m, None)
-               for m in mix_sources(["stdlib_docstrings", "pydoc_topics"], args.prompts, seed=0)]
+    prompts = [
+        template_prompt(target.tokenizer, m, None)
+        for m in mix_sources(["stdlib_docstrings", "pydoc_topics"], args.prompts, seed=0)
+    ]
     limit = 1024
     hf_tps, vllm_tps, vllm_total_tps, agree = [], [], [], []
     for rep in range(args.repeats):
@@ -54,22 +54,34 @@ def main():
         vllm_tps.append(v_tokens / result_s)
         vllm_total_tps.append(v_tokens / total_s)
         agree.append(sum(out[i] == hf[i] for i in range(len(prompts))) / len(prompts))
-        print(f"run {rep + 1}: HF {hf_tokens} tok in {hf_s:.1f} s ({hf_tps[-1]:.0f} tok/s) | vLLM {v_tokens} tok, "
-              f"{result_s:.1f} s generating, {total_s:.1f} s with start", flush=True)
+        print(
+            f"run {rep + 1}: HF {hf_tokens} tok in {hf_s:.1f} s ({hf_tps[-1]:.0f} tok/s) | vLLM {v_tokens} tok, "
+            f"{result_s:.1f} s generating, {total_s:.1f} s with start",
+            flush=True,
+        )
     med = statistics.median
-    rows = {"prompts": len(prompts), "max_new_tokens": args.tokens,
-            "hf_tokens_per_s": med(hf_tps), "vllm_tokens_per_s": med(vllm_tps),
-            "vllm_tokens_per_s_with_start": med(vllm_total_tps),
-            "ratio_vllm_over_hf": med(vllm_tps) / med(hf_tps),
-            "ratio_with_start": med(vllm_total_tps) / med(hf_tps),
-            "identical_responses_share": med(agree)}
-    print(f"\nregeneration, {len(prompts)} prompts x {args.tokens} new tokens, target {args.target} bf16, "
-          f"median of {args.repeats}:")
+    rows = {
+        "prompts": len(prompts),
+        "max_new_tokens": args.tokens,
+        "hf_tokens_per_s": med(hf_tps),
+        "vllm_tokens_per_s": med(vllm_tps),
+        "vllm_tokens_per_s_with_start": med(vllm_total_tps),
+        "ratio_vllm_over_hf": med(vllm_tps) / med(hf_tps),
+        "ratio_with_start": med(vllm_total_tps) / med(hf_tps),
+        "identical_responses_share": med(agree),
+    }
+    print(
+        f"\nregeneration, {len(prompts)} prompts x {args.tokens} new tokens, target {args.target} bf16, "
+        f"median of {args.repeats}:"
+    )
     print(f"  HF generate (batch {args.batch})      {rows['hf_tokens_per_s']:8.1f} tok/s")
-    print(f"  vLLM (continuous batching)     {rows['vllm_tokens_per_s']:8.1f} tok/s   "
-          f"x{rows['ratio_vllm_over_hf']:.2f}")
-    print(f"  vLLM incl. engine start        {rows['vllm_tokens_per_s_with_start']:8.1f} tok/s   "
-          f"x{rows['ratio_with_start']:.2f}")
+    print(
+        f"  vLLM (continuous batching)     {rows['vllm_tokens_per_s']:8.1f} tok/s   x{rows['ratio_vllm_over_hf']:.2f}"
+    )
+    print(
+        f"  vLLM incl. engine start        {rows['vllm_tokens_per_s_with_start']:8.1f} tok/s   "
+        f"x{rows['ratio_with_start']:.2f}"
+    )
     print(f"  identical responses            {rows['identical_responses_share']:.0%}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

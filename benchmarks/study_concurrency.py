@@ -22,8 +22,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-QUICK = ["experiment=smoke", "train.epochs=1", "eval.suites.drift.enabled=false",
-         "eval.suites.extrapolation.enabled=false", "train.num_threads=1", "data.num_prompts=16"]
+QUICK = [
+    "experiment=smoke",
+    "train.epochs=1",
+    "eval.suites.drift.enabled=false",
+    "eval.suites.extrapolation.enabled=false",
+    "train.num_threads=1",
+    "data.num_prompts=16",
+]
 
 
 def main():
@@ -40,15 +46,32 @@ def main():
         db = f"sqlite:///{tmp}/study.db"
         env = {**os.environ, "EAGLELAB_CACHE_DIR": f"{tmp}/cache", "EAGLELAB_RESULTS_DIR": tmp}
         # Prepare the data once first, so the kill lands in a trial and not in the shared preparation.
-        subprocess.run([sys.executable, str(ROOT / "src" / "run.py"), *QUICK, *args.overrides,
-                        f"hydra.run.dir={tmp}/warmup"], cwd=ROOT, env=env, capture_output=True, check=True)
-        cmd = lambda p: [sys.executable, str(ROOT / "src" / "run.py"), "-m", "+sweep=optuna_search",  # noqa: E731
-                         *QUICK, *args.overrides, f"hydra.sweeper.storage={db}", "hydra.sweeper.study_name=shared",
-                         f"hydra.sweeper.n_trials={budget}", "hydra.sweeper.heartbeat_interval=2",
-                         "hydra.sweeper.grace_period=10", f"hydra.sweep.dir={tmp}/p{p}"]
+        subprocess.run(
+            [sys.executable, str(ROOT / "src" / "run.py"), *QUICK, *args.overrides, f"hydra.run.dir={tmp}/warmup"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            check=True,
+        )
+        cmd = lambda p: [
+            sys.executable,
+            str(ROOT / "src" / "run.py"),
+            "-m",
+            "+sweep=optuna_search",
+            *QUICK,
+            *args.overrides,
+            f"hydra.sweeper.storage={db}",
+            "hydra.sweeper.study_name=shared",
+            f"hydra.sweeper.n_trials={budget}",
+            "hydra.sweeper.heartbeat_interval=2",
+            "hydra.sweeper.grace_period=10",
+            f"hydra.sweep.dir={tmp}/p{p}",
+        ]
         t0 = time.perf_counter()
-        procs = [subprocess.Popen(cmd(p), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                                  stderr=open(f"{tmp}/p{p}.log", "w")) for p in range(args.processes)]
+        procs = [
+            subprocess.Popen(cmd(p), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(f"{tmp}/p{p}.log", "w"))
+            for p in range(args.processes)
+        ]
         victim_dir = Path(f"{tmp}/p0")
 
         def victim_in_second_trial() -> bool:
@@ -67,26 +90,43 @@ def main():
         wall = time.perf_counter() - t0
         study = optuna.load_study(study_name="shared", storage=db)
         trials = study.get_trials(deepcopy=False)
-        by_state = {s: [t for t in trials if t.state.name == s] for s in ("COMPLETE", "FAIL", "RUNNING", "WAITING",
-                                                                          "PRUNED")}
+        by_state = {
+            s: [t for t in trials if t.state.name == s] for s in ("COMPLETE", "FAIL", "RUNNING", "WAITING", "PRUNED")
+        }
         runs = {p.parent.name: json.loads(p.read_text()) for p in Path(tmp).glob("p*/trial*/metrics.json")}
-        values_match = all(abs(runs[f"trial{t.number:04d}"]["val/acceptance_length@k3"] - t.value) < 1e-12
-                           for t in by_state["COMPLETE"])
+        values_match = all(
+            abs(runs[f"trial{t.number:04d}"]["val/acceptance_length@k3"] - t.value) < 1e-12
+            for t in by_state["COMPLETE"]
+        )
         failed = by_state["FAIL"]
         redone = [t for t in by_state["COMPLETE"] if t.system_attrs.get("failed_trial") in {f.number for f in failed}]
-        row = {"processes": args.processes, "budget": budget, "wall_s": wall, "survivor_exit_codes": rcs,
-               "killed_trial_dirs": killed_in, **{k.lower(): len(v) for k, v in by_state.items()},
-               "run_dirs_complete": len(runs),
-               "distinct_complete_numbers": len({t.number for t in by_state["COMPLETE"]}),
-               "values_match_run_dirs": values_match, "failed_numbers": [t.number for t in failed],
-               "redone_as": [t.number for t in redone],
-               "redone_same_params": all(t.params == next(f.params for f in failed
-                                                          if f.number == t.system_attrs["failed_trial"])
-                                         for t in redone)}
+        row = {
+            "processes": args.processes,
+            "budget": budget,
+            "wall_s": wall,
+            "survivor_exit_codes": rcs,
+            "killed_trial_dirs": killed_in,
+            **{k.lower(): len(v) for k, v in by_state.items()},
+            "run_dirs_complete": len(runs),
+            "distinct_complete_numbers": len({t.number for t in by_state["COMPLETE"]}),
+            "values_match_run_dirs": values_match,
+            "failed_numbers": [t.number for t in failed],
+            "redone_as": [t.number for t in redone],
+            "redone_same_params": all(
+                t.params == next(f.params for f in failed if f.number == t.system_attrs["failed_trial"]) for t in redone
+            ),
+        }
     for k, v in row.items():
         print(f"{k:<28}{v}")
-    ok = (row["complete"] == budget and row["fail"] == 1 and row["running"] == row["waiting"] == 0
-          and row["run_dirs_complete"] == budget and values_match and len(redone) == 1 and row["redone_same_params"])
+    ok = (
+        row["complete"] == budget
+        and row["fail"] == 1
+        and row["running"] == row["waiting"] == 0
+        and row["run_dirs_complete"] == budget
+        and values_match
+        and len(redone) == 1
+        and row["redone_same_params"]
+    )
     print("PASS" if ok else "FAIL")
     if args.json:
         Path(args.json).write_text(json.dumps(row, indent=2))

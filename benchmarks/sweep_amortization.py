@@ -35,26 +35,48 @@ def main():
     with tempfile.TemporaryDirectory(prefix="eaglelab-amortize-") as tmp:
         env = {**os.environ, "EAGLELAB_CACHE_DIR": f"{tmp}/cache", "EAGLELAB_RESULTS_DIR": f"{tmp}/results"}
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, str(ROOT / "src" / "run.py"), "-m", *overrides,
-                               f"train.seed={args.seeds}", f"hydra.sweep.dir={tmp}/grid"],
-                              cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "src" / "run.py"),
+                "-m",
+                *overrides,
+                f"train.seed={args.seeds}",
+                f"hydra.sweep.dir={tmp}/grid",
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         grid_s = time.perf_counter() - t0
         if proc.returncode != 0:
             sys.exit(f"grid failed: {proc.stderr.strip().splitlines()[-3:]}")
         trials = sorted(Path(f"{tmp}/grid").glob("*/metrics.json"), key=lambda p: int(p.parent.name.split("_")[0]))
         metrics = [json.loads(p.read_text()) for p in trials]
-    stage = lambda m, s: m.get(f"time/{s}_s", 0.0)  # noqa: E731
+    stage = lambda m, s: m.get(f"time/{s}_s", 0.0)
     prep_once = sum(stage(metrics[0], s) for s in PREP)
     prep_later = [sum(stage(m, s) for s in PREP) for m in metrics[1:]]
     work = [sum(stage(m, s) for s in WORK) for m in metrics]
     baseline = prep_once + sum(work)
-    row = {"trials": len(metrics), "grid_s": grid_s, "prep_once_s": prep_once, "work_s": sum(work),
-           "baseline_s": baseline, "ratio": grid_s / baseline,
-           "later_trials_prep_s_median": sorted(prep_later)[len(prep_later) // 2] if prep_later else 0.0}
-    print(f"{'trials':>6}{'grid':>9}{'prep once':>11}{'N × work':>10}{'baseline':>10}{'ratio':>7}"
-          f"{'later prep (median)':>21}")
-    print(f"{row['trials']:>6}{grid_s:>8.0f}s{prep_once:>10.0f}s{sum(work):>9.0f}s{baseline:>9.0f}s"
-          f"{row['ratio']:>7.3f}{row['later_trials_prep_s_median']:>20.1f}s")
+    row = {
+        "trials": len(metrics),
+        "grid_s": grid_s,
+        "prep_once_s": prep_once,
+        "work_s": sum(work),
+        "baseline_s": baseline,
+        "ratio": grid_s / baseline,
+        "later_trials_prep_s_median": sorted(prep_later)[len(prep_later) // 2] if prep_later else 0.0,
+    }
+    print(
+        f"{'trials':>6}{'grid':>9}{'prep once':>11}{'N × work':>10}{'baseline':>10}{'ratio':>7}"
+        f"{'later prep (median)':>21}"
+    )
+    print(
+        f"{row['trials']:>6}{grid_s:>8.0f}s{prep_once:>10.0f}s{sum(work):>9.0f}s{baseline:>9.0f}s"
+        f"{row['ratio']:>7.3f}{row['later_trials_prep_s_median']:>20.1f}s"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(row, indent=2))
 

@@ -29,15 +29,28 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
 CONFIGS = {
-    "peer": {"hidden": 128, "layers": 4, "heads": 4, "kv": 2, "inter": 256, "vocab": 512, "draft": 256,
-             "seq": 256},
-    "smollm2-8k": {"hidden": 576, "layers": 30, "heads": 9, "kv": 3, "inter": 1536, "vocab": 49152,
-                   "draft": 8192, "seq": 1024},
-    "smollm2-32k": {"hidden": 576, "layers": 30, "heads": 9, "kv": 3, "inter": 1536, "vocab": 49152,
-                    "draft": 32768, "seq": 1024},
+    "peer": {"hidden": 128, "layers": 4, "heads": 4, "kv": 2, "inter": 256, "vocab": 512, "draft": 256, "seq": 256},
+    "smollm2-8k": {
+        "hidden": 576,
+        "layers": 30,
+        "heads": 9,
+        "kv": 3,
+        "inter": 1536,
+        "vocab": 49152,
+        "draft": 8192,
+        "seq": 1024,
+    },
+    "smollm2-32k": {
+        "hidden": 576,
+        "layers": 30,
+        "heads": 9,
+        "kv": 3,
+        "inter": 1536,
+        "vocab": 49152,
+        "draft": 32768,
+        "seq": 1024,
+    },
 }
 
 
@@ -53,31 +66,47 @@ def gemm_flops(dtype, n: int = 2048, repeats: int = 5) -> float:
         for _ in range(10):
             a @ b
         times.append((time.perf_counter() - t0) / 10)
-    return 2 * n ** 3 / statistics.median(times)
+    return 2 * n**3 / statistics.median(times)
 
 
 def one(name: str, precision: str, steps: int, repeats: int, profile: bool = False) -> dict:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
+    from eaglelab.batches import Batch
     from eaglelab.config import TrainConfig
     from eaglelab.drafter import Eagle3Config
-    from eaglelab.training import Batch, DrafterModule
+    from eaglelab.training import DrafterModule
 
     c = CONFIGS[name]
     torch.manual_seed(0)
     L = c["layers"]
-    cfg = Eagle3Config(hidden_size=c["hidden"], intermediate_size=c["inter"], num_attention_heads=c["heads"],
-                       num_key_value_heads=c["kv"], head_dim=c["hidden"] // c["heads"], vocab_size=c["vocab"],
-                       draft_vocab_size=c["draft"], target_hidden_size=c["hidden"],
-                       aux_layer_ids=(2, L // 2, L - 3) if L > 4 else (1, 2, 3), fc_norm=True, norm_output=True)
+    cfg = Eagle3Config(
+        hidden_size=c["hidden"],
+        intermediate_size=c["inter"],
+        num_attention_heads=c["heads"],
+        num_key_value_heads=c["kv"],
+        head_dim=c["hidden"] // c["heads"],
+        vocab_size=c["vocab"],
+        draft_vocab_size=c["draft"],
+        target_hidden_size=c["hidden"],
+        aux_layer_ids=(2, L // 2, L - 3) if L > 4 else (1, 2, 3),
+        fc_norm=True,
+        norm_output=True,
+    )
     train_cfg = TrainConfig(ttt_steps=3, lr=1e-4)
     module = DrafterModule(cfg, train_cfg)
     module.drafter.set_vocab(torch.randperm(c["vocab"])[: c["draft"]].sort().values)
     T = c["seq"]
     ids = torch.randint(0, c["vocab"], (1, T))
-    batch = Batch(input_ids=ids, target_next=torch.roll(ids, -1, 1), aux=torch.randn(1, T, 3 * c["hidden"]),
-                  final=None, prompt_len=torch.tensor([1]), seq_len=torch.tensor([T]))
+    batch = Batch(
+        input_ids=ids,
+        target_next=torch.roll(ids, -1, 1),
+        aux=torch.randn(1, T, 3 * c["hidden"]),
+        final=None,
+        prompt_len=torch.tensor([1]),
+        seq_len=torch.tensor([T]),
+    )
     opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
 
@@ -108,10 +137,16 @@ def one(name: str, precision: str, steps: int, repeats: int, profile: bool = Fal
             step()
         rates.append(steps * T / (time.perf_counter() - t0))
     pos_s = statistics.median(rates)
-    return {"config": name, "precision": precision, "positions_per_s": pos_s, "positions_per_s_all": rates,
-            "flops_per_step": flops, "achieved_flops": flops * pos_s / T,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "threads": torch.get_num_threads()}
+    return {
+        "config": name,
+        "precision": precision,
+        "positions_per_s": pos_s,
+        "positions_per_s_all": rates,
+        "flops_per_step": flops,
+        "achieved_flops": flops * pos_s / T,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def main():
@@ -135,23 +170,42 @@ def main():
     for name in args.configs.split(","):
         steps = args.steps if name == "peer" else max(args.steps // 10, 2)
         for precision in args.precision.split(","):
-            out = subprocess.run([sys.executable, __file__, "--one", f"{name}:{precision}", "--steps", str(steps),
-                                  "--repeats", str(args.repeats)], capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--one",
+                    f"{name}:{precision}",
+                    "--steps",
+                    str(steps),
+                    "--repeats",
+                    str(args.repeats),
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"  {name} {precision}: {rows[-1]['positions_per_s']:.0f} positions/s", file=sys.stderr)
     # The roofline is the better of the measurements before and after (a conservative denominator).
     roof = {"fp32": max(roof["fp32"], gemm_flops(torch.float32)), "bf16": max(roof["bf16"], gemm_flops(torch.bfloat16))}
     best_roof = max(roof.values())
-    print(f"\nGEMM roofline (2048^3, {rows[0]['threads']} threads): fp32 {roof['fp32'] / 1e9:.1f} GFLOP/s, "
-          f"bf16 {roof['bf16'] / 1e9:.1f} GFLOP/s")
-    print(f"{'config':<13}{'prec':<6}{'positions/s':>12}{'vs 4750':>9}{'GFLOP/s':>9}{'of roof':>9}"
-          f"{'of same-dtype':>15}{'peak RSS MB':>13}")
+    print(
+        f"\nGEMM roofline (2048^3, {rows[0]['threads']} threads): fp32 {roof['fp32'] / 1e9:.1f} GFLOP/s, "
+        f"bf16 {roof['bf16'] / 1e9:.1f} GFLOP/s"
+    )
+    print(
+        f"{'config':<13}{'prec':<6}{'positions/s':>12}{'vs 4750':>9}{'GFLOP/s':>9}{'of roof':>9}"
+        f"{'of same-dtype':>15}{'peak RSS MB':>13}"
+    )
     for r in rows:
         same = roof[r["precision"]]
         vs_ref = f"{r['positions_per_s'] / 4750:.2f}x" if r["config"] == "peer" else ""
-        print(f"{r['config']:<13}{r['precision']:<6}{r['positions_per_s']:>12.0f}{vs_ref:>9}"
-              f"{r['achieved_flops'] / 1e9:>9.1f}{r['achieved_flops'] / best_roof:>9.1%}"
-              f"{r['achieved_flops'] / same:>15.1%}{r['peak_rss_mb']:>13.0f}")
+        print(
+            f"{r['config']:<13}{r['precision']:<6}{r['positions_per_s']:>12.0f}{vs_ref:>9}"
+            f"{r['achieved_flops'] / 1e9:>9.1f}{r['achieved_flops'] / best_roof:>9.1%}"
+            f"{r['achieved_flops'] / same:>15.1%}{r['peak_rss_mb']:>13.0f}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"roofline_flops": roof, "rows": rows}, indent=2))
 

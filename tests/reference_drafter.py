@@ -14,8 +14,10 @@ import torch.nn.functional as F
 
 class ReferenceDrafter:
     def __init__(self, state_dict: dict[str, torch.Tensor], config: dict, embed: torch.Tensor):
-        self.w = {k.replace("midlayer.", "layers.0."): v.double() if v.is_floating_point() else v
-                  for k, v in state_dict.items()}
+        self.w = {
+            k.replace("midlayer.", "layers.0."): v.double() if v.is_floating_point() else v
+            for k, v in state_dict.items()
+        }
         self.c = config
         self.embed = embed.double()
         self.H = config["hidden_size"]
@@ -65,15 +67,19 @@ class ReferenceDrafter:
         outs = []
         for head in range(self.h):
             g = head // (self.h // self.kv)
-            keys = [(kk[g], vv[g], kp) for kk, vv, kp in cache
-                    if self.window is None or pos - kp < self.window or kp < self.sink]
+            keys = [
+                (kk[g], vv[g], kp)
+                for kk, vv, kp in cache
+                if self.window is None or pos - kp < self.window or kp < self.sink
+            ]
             scores = torch.stack([q[head] @ kk / math.sqrt(self.d) for kk, _, _ in keys])
             probs = torch.softmax(scores, dim=0)
             outs.append(sum(pr * vv for pr, (_, vv, _) in zip(probs, keys)))
         h1 = residual + self.w[p + "self_attn.o_proj.weight"] @ torch.cat(outs)
         y = self.rms(h1, p + "post_attention_layernorm.weight")
-        mlp = self.w[p + "mlp.down_proj.weight"] @ (F.silu(self.w[p + "mlp.gate_proj.weight"] @ y)
-                                                     * (self.w[p + "mlp.up_proj.weight"] @ y))
+        mlp = self.w[p + "mlp.down_proj.weight"] @ (
+            F.silu(self.w[p + "mlp.gate_proj.weight"] @ y) * (self.w[p + "mlp.up_proj.weight"] @ y)
+        )
         return h1 + mlp
 
     def step(self, token, hidden, pos, caches):

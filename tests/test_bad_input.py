@@ -32,13 +32,15 @@ def bad_files(cache_dir, tmp_path_factory) -> Path:
     template, a corrupt GGUF, non-UTF-8 and empty conversations, a folder under a regular file."""
     from transformers import BertConfig, BertForMaskedLM
 
-    from conftest import compose
     from eaglelab.targets import load_target
+
+    from conftest import compose
 
     root = tmp_path_factory.mktemp("bad")
     tiny = load_target(compose(SMOKE, cache_dir, root).target, cache_dir).path
-    BertForMaskedLM(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                               vocab_size=49152)).save_pretrained(root / "bert")
+    BertForMaskedLM(
+        BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=49152)
+    ).save_pretrained(root / "bert")
     shutil.copytree(tiny, root / "no_template")
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny / name, root / "bert" / name)
@@ -51,31 +53,39 @@ def bad_files(cache_dir, tmp_path_factory) -> Path:
 
 
 # (overrides, the message the one error line must hold); {bad} is the bad_files folder
-@pytest.mark.parametrize("overrides,message", [
-    (["drafter.norm_before_fc=true"], "mutually exclusive"),
-    (["train.ttt_steps=0"], "train.ttt_steps must be > 0"),
-    (["train.lr=0"], "train.lr must be > 0"),
-    (["train.batch_size=-1"], "train.batch_size must be > 0"),
-    (["data.num_prompts=0"], "data.num_prompts must be > 0"),
-    (["drafter.draft_vocab_size=0"], "drafter.draft_vocab_size must be > 0"),
-    (["train.step_decay=1.5"], "train.step_decay must be in (0, 1]"),
-    (["train.loss=mse"], "use ce or kl"),
-    (["drafter.aux_layer_ids=[2,4,8]"], "L=8"),
-    (["data.max_length=16"], "empty after filtering"),
-    (["data.max_length=100000"], "exceeds the target's context window (8192 tokens); lower data.max_length"),
-    (["data.sources=[wikipedia]"], "unknown data source 'wikipedia'"),
-    (["eval.suites.templates.conditions=[native,klingon]"], "klingon"),
-    (["target=hf", "target.name_or_path=/nonexistent/model"], "not a local folder"),
-    (["target=hf", "target.name_or_path={bad}/bert"], "is not a decoder-only causal LM"),
-    (["target=hf", "target.name_or_path={bad}/no_template"], "tokenizer has no chat template"),
-    (["target=hf", "target.name_or_path={bad}/model.gguf"], "cannot read GGUF"),
-    (["data.sources=[jsonl:/nonexistent.jsonl]"], "file not found"),
-    (["data.sources=[jsonl:{bad}/latin1.jsonl]"], "latin1.jsonl:1: not UTF-8 text; re-encode the file as UTF-8"),
-    (["data.sources=[jsonl:{bad}/empty.jsonl]"], "empty.jsonl:2: empty conversation"),
-    (["checkpoint=/nonexistent"], "holds no drafter"),
-    (["paths.results_dir={bad}/a_file/results"], "cannot write to"),
-    (["paths.results_dir=/proc/eaglelab"], "cannot write to /proc/eaglelab"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["drafter.norm_before_fc=true"], "mutually exclusive"),
+        (["train.ttt_steps=0"], "train.ttt_steps must be > 0"),
+        (["train.lr=0"], "train.lr must be > 0"),
+        (["train.batch_size=-1"], "train.batch_size must be > 0"),
+        (["data.num_prompts=0"], "data.num_prompts must be > 0"),
+        (["drafter.draft_vocab_size=0"], "drafter.draft_vocab_size must be > 0"),
+        (["train.step_decay=1.5"], "train.step_decay must be in (0, 1]"),
+        (
+            ["drafter.draft_vocab_size=60000"],
+            "exceeds the target's vocabulary (49152 tokens); lower drafter.draft_vocab_size",
+        ),
+        (["drafter.aux_layer_ids=[4,2,6]"], "must be sorted and unique"),
+        (["drafter.aux_layer_ids=[0,2,4]"], "ids must be in 1..7"),
+        (["drafter.aux_layer_ids=[2,4,8]"], "L=8"),
+        (["data.max_length=16"], "empty after filtering"),
+        (["data.max_length=100000"], "exceeds the target's context window (8192 tokens); lower data.max_length"),
+        (["data.sources=[wikipedia]"], "unknown data source 'wikipedia'"),
+        (["eval.suites.templates.conditions=[native,klingon]"], "klingon"),
+        (["target=hf", "target.name_or_path=/nonexistent/model"], "not a local folder"),
+        (["target=hf", "target.name_or_path={bad}/bert"], "is not a decoder-only causal LM"),
+        (["target=hf", "target.name_or_path={bad}/no_template"], "tokenizer has no chat template"),
+        (["target=hf", "target.name_or_path={bad}/model.gguf"], "cannot read GGUF"),
+        (["data.sources=[jsonl:/nonexistent.jsonl]"], "file not found"),
+        (["data.sources=[jsonl:{bad}/latin1.jsonl]"], "latin1.jsonl:1: not UTF-8 text; re-encode the file as UTF-8"),
+        (["data.sources=[jsonl:{bad}/empty.jsonl]"], "empty.jsonl:2: empty conversation"),
+        (["checkpoint=/nonexistent"], "holds no drafter"),
+        (["paths.results_dir={bad}/a_file/results"], "cannot write to"),
+        (["paths.results_dir=/proc/eaglelab"], "cannot write to /proc/eaglelab"),
+    ],
+)
 def test_bad_input_is_one_line_and_nonzero(overrides, message, bad_files, cache_dir, tmp_path):
     overrides = [o.replace("{bad}", str(bad_files)) for o in overrides]
     proc = run_cli([*SMOKE, *overrides], cache_dir, tmp_path)
@@ -84,11 +94,27 @@ def test_bad_input_is_one_line_and_nonzero(overrides, message, bad_files, cache_
     assert_nothing_looks_complete(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "override,choices",
+    [
+        ("train.loss=mse", "['ce', 'kl']"),
+        ("train.precision=fp8", "'bf16-mixed'"),
+    ],
+)
+def test_a_value_outside_its_choices_is_refused_by_composition(override, choices, cache_dir, tmp_path):
+    """Fixed choices are typed (Literal): Hydra refuses them before anything runs, naming the key and the choices."""
+    proc = run_cli([*SMOKE, override], cache_dir, tmp_path)
+    assert proc.returncode != 0
+    assert f"full_key: {override.split('=')[0]}" in proc.stderr and choices in proc.stderr
+    assert not list(tmp_path.rglob("run.json"))
+
+
 def test_unknown_config_group_entry_lists_the_choices(cache_dir, tmp_path):
     proc = run_cli([*SMOKE, "target=llama3"], cache_dir, tmp_path)
     assert proc.returncode != 0
     assert "Could not find 'target/llama3'" in proc.stderr and all(
-        name in proc.stderr for name in ("smollm2", "tiny", "hf"))
+        name in proc.stderr for name in ("smollm2", "tiny", "hf")
+    )
     assert not list(tmp_path.rglob("run.json"))
 
 

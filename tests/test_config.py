@@ -1,28 +1,89 @@
 """Config groups compose into the typed schema; ablations are derived configs, not code."""
 
 import pytest
+from hydra.errors import ConfigCompositionException
+
+from eaglelab.errors import ConfigError
+from eaglelab.suites import check_suites
 
 from conftest import compose
-from eaglelab.errors import ConfigError
 
 
-@pytest.mark.parametrize("ablation,flags", [
-    (None, dict(fc_norm=True, norm_output=True, norm_before_fc=False)),
-    ("no_fc_norm", dict(fc_norm=False, norm_output=True, norm_before_fc=False)),
-    ("no_norm_output", dict(fc_norm=True, norm_output=False, norm_before_fc=False)),
-    ("eagle3", dict(fc_norm=False, norm_output=False, norm_before_fc=False)),
-    ("norm_before_fc", dict(fc_norm=False, norm_output=True, norm_before_fc=True)),
-])
+@pytest.mark.parametrize(
+    "ablation,flags",
+    [
+        (None, dict(fc_norm=True, norm_output=True, norm_before_fc=False)),
+        ("no_fc_norm", dict(fc_norm=False, norm_output=True, norm_before_fc=False)),
+        ("no_norm_output", dict(fc_norm=True, norm_output=False, norm_before_fc=False)),
+        ("eagle3", dict(fc_norm=False, norm_output=False, norm_before_fc=False)),
+        ("norm_before_fc", dict(fc_norm=False, norm_output=True, norm_before_fc=True)),
+    ],
+)
 def test_ablations(ablation, flags, tmp_path):
+    """Written out by hand here, so a change to the variants table (eaglelab.variants) shows up as a failure."""
     overrides = [f"+ablation={ablation}"] if ablation else []
     cfg = compose(overrides, tmp_path, tmp_path / "run")
     assert {k: getattr(cfg.drafter, k) for k in flags} == flags
     assert cfg.variant == (ablation or "eagle3.1")
 
 
+def test_every_variant_is_an_ablation_config_and_labels_its_own_flags(tmp_path):
+    from eaglelab.variants import VARIANTS, ablation_name
+
+    for name, flags in VARIANTS.items():
+        cfg = compose([f"+ablation={ablation_name(name)}"], tmp_path, tmp_path / "r")
+        assert cfg.variant == name and all(getattr(cfg.drafter, k) == v for k, v in flags.items())
+    # A flag flipped by hand is labelled by what it is, not by the default's name
+    assert compose(["drafter.norm_output=false"], tmp_path, tmp_path / "r").variant == "no_norm_output"
+    assert compose(["+ablation=eagle3", "drafter.norm_before_fc=true"], tmp_path, tmp_path / "r").variant == "custom"
+
+
+def test_conf_holds_only_what_differs_from_the_schema():
+    """Every default has one home, the dataclasses: no YAML under conf/ restates a schema default."""
+    from pathlib import Path
+
+    import yaml
+    from omegaconf import OmegaConf
+
+    from eaglelab.config import RunConfig
+
+    defaults = OmegaConf.to_container(OmegaConf.structured(RunConfig))
+    root = Path(__file__).resolve().parents[1] / "conf"
+    restated = []
+
+    def walk(where, tree, ref, prefix=""):
+        for k, v in tree.items():
+            if isinstance(v, dict) and isinstance(ref.get(k), dict):
+                walk(where, v, ref[k], f"{prefix}{k}.")
+            elif isinstance(ref, dict) and k in ref and ref[k] == v and not (k == "kind" and v == Path(where).stem):
+                restated.append(f"{where}: {prefix}{k}: {v}")  # (an entry's own `kind` names it: not a default)
+
+    for path in sorted(root.rglob("*.yaml")):
+        rel = path.relative_to(root)
+        if rel.parts[0] == "hydra":
+            continue  # Hydra's own settings
+        text = path.read_text()
+        node = yaml.safe_load(text) or {}
+        node.pop("defaults", None)
+        package = next(
+            (line.split()[-1] for line in text.splitlines() if line.startswith("# @package")),
+            "_global_" if rel.name == "config.yaml" else rel.parts[0],
+        )
+        base = defaults
+        for key in [] if package == "_global_" else package.split("."):
+            base = base.get(key, {}) if isinstance(base, dict) else {}
+        walk(str(rel), node, base)
+    assert not restated, restated
+
+
 def test_defaults_and_smoke_experiment(tmp_path):
     cfg = compose([], tmp_path, tmp_path / "r")
-    assert (cfg.target.kind, cfg.train.ttt_steps, cfg.train.step_decay, cfg.eval.prompts) == ("smollm2", 3, 0.8, "humaneval")
+    assert (cfg.target.kind, cfg.train.ttt_steps, cfg.train.step_decay, cfg.eval.prompts) == (
+        "smollm2",
+        3,
+        0.8,
+        "humaneval",
+    )
     smoke = compose(["experiment=smoke"], tmp_path, tmp_path / "r")
     assert smoke.target.kind == "tiny"
 
@@ -33,7 +94,11 @@ def test_suites_are_config_group_entries(tmp_path):
     cfg = compose([], tmp_path, tmp_path / "r")
     s = cfg.eval.suites
     assert (s.extrapolation.enabled, s.drift.enabled, s.long_context.enabled, s.templates.enabled) == (
-        True, True, False, False)
+        True,
+        True,
+        False,
+        False,
+    )
     assert max_k(cfg) == 8 and suite_ks(cfg) == [3]
     assert max_k(compose(["train.ttt_steps=2"], tmp_path, tmp_path / "r")) == 8  # max(8, 2·ttt+2)
     assert max_k(compose(["train.ttt_steps=5"], tmp_path, tmp_path / "r")) == 12
@@ -44,18 +109,53 @@ def test_suites_are_config_group_entries(tmp_path):
     assert all(getattr(every, name).enabled for name in ("extrapolation", "long_context", "templates", "drift"))
 
 
-@pytest.mark.parametrize("override,message", [
-    ("drafter.norm_before_fc=true", "mutually exclusive"),
-    ("train.ttt_steps=0", "train.ttt_steps must be > 0"),
-    ("train.lr=-1", "train.lr must be > 0"),
-    ("train.loss=mse", "train.loss"),
-    ("train.step_decay=1.5", "train.step_decay"),
-    ("+train.no_such_key=1", "no_such_key"),
-    ("eval.suites.templates.conditions=[native,chatml_v9]", "chatml_v9"),
-    ("eval.suites.templates.conditions=[no_template]", "native missing"),
-    ("eval.suites.long_context.lengths=[8]", "lengths must be token counts"),
-    ("eval.suites.drift.num_prompts=0", "eval.suites.drift.num_prompts must be > 0"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("drafter.norm_before_fc=true", "mutually exclusive"),
+        ("train.ttt_steps=0", "train.ttt_steps must be > 0"),
+        ("train.lr=-1", "train.lr must be > 0"),
+        ("train.step_decay=1.5", "train.step_decay"),
+        ("+train.no_such_key=1", "no_such_key"),
+        ("eval.suites.long_context.lengths=[8]", "lengths must be token counts"),
+        ("eval.suites.drift.num_prompts=0", "eval.suites.drift.num_prompts must be > 0"),
+        ("data.val_fraction=1.0", r"data.val_fraction must be in \[0, 1\)"),
+        ("eval.vllm.concurrencies=[0]", "eval.vllm.concurrencies must hold values >= 1"),
+        ("drafter.aux_layer_ids=[15,2,27]", r"must be sorted and unique .*; use \[2, 15, 27\]"),
+        ("drafter.aux_layer_ids=[]", "drafter.aux_layer_ids is empty"),
+        ("drafter.aux_layer_ids=[0,2]", "ids must be in 1..L-1"),
+    ],
+)
 def test_bad_values_fail_with_the_key_named(override, message, tmp_path):
     with pytest.raises(ConfigError, match=message):
         compose([override], tmp_path, tmp_path / "r")
+
+
+@pytest.mark.parametrize(
+    "override,choices",
+    [
+        ("train.loss=mse", "['ce', 'kl']"),
+        ("train.precision=fp8", "'bf16-mixed'"),
+        ("target.dtype=int4", "'bfloat16'"),
+        ("logger.mode=live", "'offline'"),
+        ("data.regen_backend=sglang", "'vllm'"),
+    ],
+)
+def test_fixed_choices_are_rejected_by_composition_with_the_choices_listed(override, choices, tmp_path):
+    with pytest.raises(ConfigCompositionException) as info:
+        compose([override], tmp_path, tmp_path / "r")
+    assert choices in str(info.value.__cause__) and override.split("=")[0].split(".")[-1] in str(info.value.__cause__)
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("eval.suites.templates.conditions=[native,chatml_v9]", "chatml_v9"),
+        ("eval.suites.templates.conditions=[no_template]", "native missing"),
+        ("eval.suites.templates.conditions=[native,native]", "lists a condition twice"),
+    ],
+)
+def test_suite_settings_are_checked_by_the_suites(override, message, tmp_path):
+    cfg = compose([override], tmp_path, tmp_path / "r")  # the schema cannot know the suites' tables
+    with pytest.raises(ConfigError, match=message):
+        check_suites(cfg)

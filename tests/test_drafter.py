@@ -6,13 +6,25 @@ import pytest
 import torch
 
 from eaglelab.drafter import Eagle3Config, Eagle3Drafter, export_state_dict
+
 from reference_drafter import ReferenceDrafter
 
 
 def small_config(**flags) -> Eagle3Config:
-    base = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=16, vocab_size=50, draft_vocab_size=30, target_hidden_size=48,
-                aux_layer_ids=(1, 3, 5), rms_norm_eps=1e-6, rope_theta=10000.0, target_num_layers=8)
+    base = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=50,
+        draft_vocab_size=30,
+        target_hidden_size=48,
+        aux_layer_ids=(1, 3, 5),
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        target_num_layers=8,
+    )
     base.update(flags)
     return Eagle3Config(**base)
 
@@ -33,14 +45,17 @@ def max_logit_gap(cfg: Eagle3Config, T: int = 10, steps: int = 4) -> float:
     torch.manual_seed(1)
     # Target states of very different scales per aux layer: what makes fc_norm matter.
     aux = torch.randn(1, T, 3 * cfg.target_hidden_size, dtype=torch.float64) * torch.tensor(
-        [1.0, 10.0, 100.0], dtype=torch.float64).repeat_interleave(cfg.target_hidden_size)
+        [1.0, 10.0, 100.0], dtype=torch.float64
+    ).repeat_interleave(cfg.target_hidden_size)
     ids = torch.randint(0, cfg.vocab_size, (1, T))
     with torch.no_grad():
         outs = model.unroll(aux, ids, steps)
     ref = ReferenceDrafter(export_state_dict(model), cfg.to_vllm_config(), model.embed_tokens.weight)
     expected = ref.draft_logits(aux[0], ids[0], steps)
     assert len(expected) > T  # several depths at many positions
-    return max((model.lm_head(outs[j - 1].normed[0, s]) - logits).abs().max().item() for (s, j), logits in expected.items())
+    return max(
+        (model.lm_head(outs[j - 1].normed[0, s]) - logits).abs().max().item() for (s, j), logits in expected.items()
+    )
 
 
 @pytest.mark.parametrize("fc_norm,norm_output", list(itertools.product([False, True], repeat=2)))
@@ -49,12 +64,15 @@ def test_unroll_matches_step_by_step_engine(fc_norm, norm_output):
     assert max_logit_gap(cfg) <= 1e-4
 
 
-@pytest.mark.parametrize("flags", [
-    dict(norm_before_fc=True, fc_norm=False),
-    dict(norm_before_residual=True),
-    dict(num_layers=2),
-    dict(attention_window=4, attention_sink_tokens=2),
-])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        dict(norm_before_fc=True, fc_norm=False),
+        dict(norm_before_residual=True),
+        dict(num_layers=2),
+        dict(attention_window=4, attention_sink_tokens=2),
+    ],
+)
 def test_unroll_matches_engine_for_other_flags(flags):
     assert max_logit_gap(small_config(**flags)) <= 1e-4
 
@@ -69,8 +87,10 @@ def test_unroll_matches_engine_in_fp32():
     with torch.no_grad():
         outs = model.unroll(aux, ids, steps)
     ref = ReferenceDrafter(export_state_dict(model), cfg.to_vllm_config(), model.embed_tokens.weight)
-    gap = max((model.lm_head(outs[j - 1].normed[0, s]).double() - lg).abs().max().item()
-              for (s, j), lg in ref.draft_logits(aux[0].double(), ids[0], steps).items())
+    gap = max(
+        (model.lm_head(outs[j - 1].normed[0, s]).double() - lg).abs().max().item()
+        for (s, j), lg in ref.draft_logits(aux[0].double(), ids[0], steps).items()
+    )
     assert gap <= 1e-4
 
 
@@ -94,8 +114,11 @@ def _param_names(**flags) -> set[str]:
 
 def test_each_flag_changes_exactly_its_parameters():
     base = _param_names(fc_norm=False, norm_output=False)  # EAGLE-3
-    assert _param_names(fc_norm=True, norm_output=False) - base == {"fc_norm.0.weight", "fc_norm.1.weight",
-                                                                      "fc_norm.2.weight"}
+    assert _param_names(fc_norm=True, norm_output=False) - base == {
+        "fc_norm.0.weight",
+        "fc_norm.1.weight",
+        "fc_norm.2.weight",
+    }
     assert _param_names(fc_norm=True, norm_output=False) >= base
     assert _param_names(fc_norm=False, norm_before_fc=True) ^ base == {"input_norm.weight"}
     assert _param_names(fc_norm=False, norm_output=True) == base  # a path change, no parameters

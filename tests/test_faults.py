@@ -29,14 +29,21 @@ def ignore_sigint():  # what a shell does to a background job (`cmd &` in a scri
 
 def cli(args: list[str], cache_dir: Path, results: Path, **kw) -> subprocess.Popen:
     env = cli_env(cache_dir, results, kw.pop("env", None))
-    return subprocess.Popen([sys.executable, str(ROOT / "src" / "run.py"), *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "src" / "run.py"), *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
 
 
 def wait_for(condition, timeout: float, what: str, proc: subprocess.Popen | None = None):
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if (found := condition()):
+        if found := condition():
             return found
         if proc is not None and proc.poll() is not None:
             raise AssertionError(f"the run ended (rc {proc.returncode}) before {what}: {proc.stderr.read()[-2000:]}")
@@ -90,8 +97,9 @@ def test_a_writer_killed_mid_write_leaves_the_previous_version(kind, tmp_path):
     try:
         if kind == "checkpoint":  # let a few versions land, then kill during a save
             wait_for(lambda: target.exists() and target.stat().st_size > 4 << 20, 120, "a few checkpoints", proc)
-        wait_for(lambda: [p for p in tmp_path.glob(".*.tmp-*") if _size(p) > 1 << 20], 120,
-                 "a half-written temporary", proc)
+        wait_for(
+            lambda: [p for p in tmp_path.glob(".*.tmp-*") if _size(p) > 1 << 20], 120, "a half-written temporary", proc
+        )
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
@@ -138,8 +146,12 @@ def test_ctrl_c_during_data_preparation_leaves_no_partial_cache_and_the_rerun_co
     cache, run_dir = tmp_path / "cache", tmp_path / "run"
     args = [*SMOKE, f"hydra.run.dir={run_dir}"]
     proc = cli(args, cache, tmp_path, preexec_fn=ignore_sigint)
-    wait_for(lambda: list((cache / "locks").glob("regen-*.lock")) if (cache / "locks").exists() else [], 300,
-             "data preparation", proc)
+    wait_for(
+        lambda: list((cache / "locks").glob("regen-*.lock")) if (cache / "locks").exists() else [],
+        300,
+        "data preparation",
+        proc,
+    )
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=120) != 0
     assert json.loads((run_dir / "run.json").read_text())["status"] == "interrupted"
@@ -176,8 +188,9 @@ def test_a_failed_trial_does_not_leave_its_wandb_run_to_the_next(cache_dir, tmp_
     from eaglelab.tracking import start_run
 
     monkeypatch.setenv("WANDB_MODE", "offline")
-    first, second = (compose([*SMOKE, "logger=wandb", f"train.seed={s}"], cache_dir, tmp_path / f"t{s}")
-                     for s in (0, 1))
+    first, second = (
+        compose([*SMOKE, "logger=wandb", f"train.seed={s}"], cache_dir, tmp_path / f"t{s}") for s in (0, 1)
+    )
     a = start_run(first, tmp_path / "t0")  # left open, as by a crash
     b = start_run(second, tmp_path / "t1")
     try:
@@ -222,8 +235,9 @@ def test_a_non_finite_gradient_or_weight_stops_training_before_it_is_kept(where)
 
 def test_non_finite_loss_stops_with_a_clear_error_and_keeps_the_last_finite_checkpoint(cache_dir, tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_cli([*SMOKE, "train.lr=1e30", "train.checkpoint_every_n_steps=1", f"hydra.run.dir={run_dir}"],
-                   cache_dir, tmp_path)
+    proc = run_cli(
+        [*SMOKE, "train.lr=1e30", "train.checkpoint_every_n_steps=1", f"hydra.run.dir={run_dir}"], cache_dir, tmp_path
+    )
     line = error_line(proc.returncode, proc.stderr)
     assert "non-finite" in line and "lightning/last.ckpt keeps the last finite weights" in line
     assert "lower train.lr" in line
@@ -237,17 +251,32 @@ def test_non_finite_loss_stops_with_a_clear_error_and_keeps_the_last_finite_chec
 # --- the vLLM engine dies ---------------------------------------------------------------------------------------
 def test_vllm_engine_killed_mid_evaluation_fails_the_run_keeps_training_and_the_rerun_completes(cache_dir, tmp_path):
     run_dir = tmp_path / "run"
-    args = [*SMOKE, "eval.vllm.enabled=true", "eval.vllm.num_prompts=4", "eval.vllm.throughput_ks=[]",
-            f"hydra.run.dir={run_dir}"]
+    args = [
+        *SMOKE,
+        "eval.vllm.enabled=true",
+        "eval.vllm.num_prompts=4",
+        "eval.vllm.throughput_ks=[]",
+        f"hydra.run.dir={run_dir}",
+    ]
     proc = cli(args, cache_dir, tmp_path)
 
     def engine():
-        return next((c for c in psutil.Process(proc.pid).children(recursive=True)
-                     if "eaglelab.vllm_engine" in " ".join(c.cmdline())), None)
+        return next(
+            (
+                c
+                for c in psutil.Process(proc.pid).children(recursive=True)
+                if "eaglelab.vllm_engine" in " ".join(c.cmdline())
+            ),
+            None,
+        )
 
     victim = wait_for(engine, 600, "the vLLM engine", proc)
-    wait_for(lambda: (run_dir / "vllm" / "vllm.log").exists()
-             and (run_dir / "vllm" / "vllm.log").stat().st_size > 2000, 300, "the engine at work", proc)
+    wait_for(
+        lambda: (run_dir / "vllm" / "vllm.log").exists() and (run_dir / "vllm" / "vllm.log").stat().st_size > 2000,
+        300,
+        "the engine at work",
+        proc,
+    )
     victim.send_signal(signal.SIGKILL)
     _, stderr = proc.communicate(timeout=300)
     line = error_line(proc.returncode, stderr)
@@ -266,9 +295,12 @@ def test_vllm_engine_killed_mid_evaluation_fails_the_run_keeps_training_and_the_
 # --- W&B without a network -------------------------------------------------------------------------------------
 def test_wandb_online_without_network_falls_back_to_offline(cache_dir, tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_cli([*SMOKE, "logger=wandb", "logger.mode=online", "logger.init_timeout_s=5",
-                    f"hydra.run.dir={run_dir}"], cache_dir, tmp_path,
-                   env={"WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_API_KEY": "x" * 40})
+    proc = run_cli(
+        [*SMOKE, "logger=wandb", "logger.mode=online", "logger.init_timeout_s=5", f"hydra.run.dir={run_dir}"],
+        cache_dir,
+        tmp_path,
+        env={"WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_API_KEY": "x" * 40},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     log = (run_dir / "run.log").read_text()  # the warning, in the log (and on the console)
     assert "W&B online logging unavailable" in log and "logging offline instead" in log
@@ -304,8 +336,11 @@ def test_a_changed_config_or_target_never_reuses_a_stale_cache(cache_dir, tmp_pa
     from safetensors.torch import load_file, save_file
 
     weights = load_file(target / "model.safetensors")
-    save_file({k: (v * 1.5 if v.ndim == 2 else v) for k, v in weights.items()}, target / "model.safetensors",
-              metadata={"format": "pt"})
+    save_file(
+        {k: (v * 1.5 if v.ndim == 2 else v) for k, v in weights.items()},
+        target / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     run([], "retargeted")
     assert len(cache_entries(cache)["regen"]) == n + 1 + n  # every entry of the changed target prepared anew
 
@@ -322,5 +357,6 @@ def test_two_runs_into_one_results_root_at_once(tmp_path):
     entries = cache_entries(cache)
     assert len(entries["regen"]) == 2 and len(entries["features"]) == 2  # once each, not twice
     a, b = (json.loads((d / "metrics.json").read_text()) for d in run_dirs)
-    assert {k: v for k, v in a.items() if not k.startswith("time/")} == \
-        {k: v for k, v in b.items() if not k.startswith("time/")}
+    assert {k: v for k, v in a.items() if not k.startswith("time/")} == {
+        k: v for k, v in b.items() if not k.startswith("time/")
+    }

@@ -5,8 +5,9 @@ import json
 import pytest
 import yaml
 
-from conftest import compose
 from eaglelab.pipeline import run
+
+from conftest import compose
 
 
 @pytest.fixture(scope="module")
@@ -19,10 +20,23 @@ def smoke_runs(cache_dir, tmp_path_factory):
 
 def test_smoke_run_writes_the_documented_layout(smoke_runs):
     run_dir, _ = smoke_runs
-    for name in ("config.yaml", "run.json", "metrics.json", "acceptance.csv", "per_position.csv", "acceptance.png",
-                 "drafter/config.json", "drafter/model.safetensors", "lightning/last.ckpt",
-                 "logs/metrics.csv", "suites/drift.csv", "suites/fc_balance.csv", "suites/drift.png",
-                 "suites/extrapolation.csv", "suites/extrapolation.png"):
+    for name in (
+        "config.yaml",
+        "run.json",
+        "metrics.json",
+        "acceptance.csv",
+        "per_position.csv",
+        "acceptance.png",
+        "drafter/config.json",
+        "drafter/model.safetensors",
+        "lightning/last.ckpt",
+        "logs/metrics.csv",
+        "suites/drift.csv",
+        "suites/fc_balance.csv",
+        "suites/drift.png",
+        "suites/extrapolation.csv",
+        "suites/extrapolation.png",
+    ):
         assert (run_dir / name).is_file(), name
     metrics = json.loads((run_dir / "metrics.json").read_text())
     info = json.loads((run_dir / "run.json").read_text())
@@ -39,15 +53,16 @@ def test_smoke_run_writes_the_documented_layout(smoke_runs):
 
 def test_same_seed_gives_identical_metrics(smoke_runs):
     a, b = (json.loads((d / "metrics.json").read_text()) for d in smoke_runs)
-    strip = lambda m: {k: v for k, v in m.items() if not k.startswith("time/")}  # noqa: E731
+    strip = lambda m: {k: v for k, v in m.items() if not k.startswith("time/")}
     assert strip(a) == strip(b)
     # The second run reused the cache prepared by the first.
     assert b["time/regenerate_s"] < a["time/regenerate_s"] or a["time/regenerate_s"] < 1.0
 
 
 def test_ablation_changes_the_exported_flags_and_kl_loss_trains(cache_dir, tmp_path):
-    run_dir = run(compose(["experiment=smoke", "+ablation=eagle3", "train.epochs=1", "train.loss=kl"],
-                          cache_dir, tmp_path / "e3"))
+    run_dir = run(
+        compose(["experiment=smoke", "+ablation=eagle3", "train.epochs=1", "train.loss=kl"], cache_dir, tmp_path / "e3")
+    )
     exported = json.loads((run_dir / "drafter/config.json").read_text())
     assert (exported["fc_norm"], exported["norm_output"]) == (False, False)
     assert json.loads((run_dir / "run.json").read_text())["variant"] == "eagle3"
@@ -65,15 +80,37 @@ def test_hf_target_of_another_family(cache_dir, tmp_path):
     gguf = smollm2_gguf_path()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=128, intermediate_size=256,
-                                         num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1,
-                                         max_position_embeddings=4096, tie_word_embeddings=True))
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=len(tok),
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=6,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+        )
+    )
     model.save_pretrained(tmp_path / "qwen2-tiny")
     tok.save_pretrained(tmp_path / "qwen2-tiny")
-    run_dir = run(compose(["experiment=smoke", "target=hf", f"target.name_or_path={tmp_path / 'qwen2-tiny'}",
-                           "target.dtype=float32", "train.epochs=1"], cache_dir, tmp_path / "run"))
+    run_dir = run(
+        compose(
+            [
+                "experiment=smoke",
+                "target=hf",
+                f"target.name_or_path={tmp_path / 'qwen2-tiny'}",
+                "target.dtype=float32",
+                "train.epochs=1",
+            ],
+            cache_dir,
+            tmp_path / "run",
+        )
+    )
     exported = json.loads((run_dir / "drafter/config.json").read_text())
-    assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3]  # (2, L//2, L-3), L=6
+    # (2, L//2, L-3) = (2, 3, 3) at L=6: vLLM collects each id once, so the default keeps the distinct ones
+    assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 3]
+    assert exported["eagle_aux_hidden_state_layer_ids"] == [2, 3]  # also at the top level, for older vLLM
     assert json.loads((run_dir / "run.json").read_text())["target"].startswith("hf:")
 
 

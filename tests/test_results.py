@@ -14,18 +14,29 @@ import pytest
 from conftest import ROOT, run_cli
 from wandb_records import read_run
 
-STORE_SWEEP = ["-m", "experiment=smoke", "+ablation=eagle3_1,eagle3", "train.seed=0,1", "+suite=all",
-               "eval.suites.long_context.lengths=[128,384]", "logger=wandb"]
-NO_NETWORK = {"WANDB_BASE_URL": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
-              "HTTP_PROXY": "http://127.0.0.1:9"}  # nothing listens there: any upload attempt would fail
+STORE_SWEEP = [
+    "-m",
+    "experiment=smoke",
+    "+ablation=eagle3_1,eagle3",
+    "train.seed=0,1",
+    "+suite=all",
+    "eval.suites.long_context.lengths=[128,384]",
+    "logger=wandb",
+]
+NO_NETWORK = {
+    "WANDB_BASE_URL": "http://127.0.0.1:9",
+    "HTTPS_PROXY": "http://127.0.0.1:9",
+    "HTTP_PROXY": "http://127.0.0.1:9",
+}  # nothing listens there: any upload attempt would fail
 
 
 @pytest.fixture(scope="module")
 def store(cache_dir, tmp_path_factory) -> Path:
     """A 2 variants × 2 seeds grid on the tiny target, every suite, logged to W&B offline."""
     root = tmp_path_factory.mktemp("store")
-    proc = run_cli([*STORE_SWEEP, f"hydra.sweep.dir={root / 'grid_sweep'}"], cache_dir, root, timeout=1200,
-                   env=NO_NETWORK)
+    proc = run_cli(
+        [*STORE_SWEEP, f"hydra.sweep.dir={root / 'grid_sweep'}"], cache_dir, root, timeout=1200, env=NO_NETWORK
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return root
 
@@ -35,8 +46,9 @@ def run_dirs(store: Path) -> list[Path]:
 
 
 def script(path: str, *args, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / path), *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, str(ROOT / path), *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
 def test_every_run_is_logged_to_wandb_offline_with_curves_tables_and_figures(store):
@@ -52,13 +64,18 @@ def test_every_run_is_logged_to_wandb_offline_with_curves_tables_and_figures(sto
         assert {variant, f"seed{run_dir.name[-1]}", "ttt3", "suite:templates", "suite:drift"} <= set(info.tags)
         # training curves, then one row per k / prompt length / draft depth on its own x-axis
         assert any("train/loss" in row for row in logged["history"])
-        by_k = {int(row["by_k/k"]): float(row["by_k/acceptance_length"]) for row in logged["history"]
-                if "by_k/k" in row}
+        by_k = {
+            int(row["by_k/k"]): float(row["by_k/acceptance_length"]) for row in logged["history"] if "by_k/k" in row
+        }
         assert by_k == {k: pytest.approx(metrics[f"acceptance_length@k{k}"]) for k in range(1, 9)}
-        measured = sorted(float(r["prompt_tokens"]) for r in csv.DictReader(open(run_dir / "suites/long_context.csv"))
-                          if r["evaluator"] == "simulated")
-        assert len(measured) == 2 and sorted(float(r["by_length/prompt_tokens"]) for r in logged["history"]
-                                             if "by_length/prompt_tokens" in r) == pytest.approx(measured)
+        measured = sorted(
+            float(r["prompt_tokens"])
+            for r in csv.DictReader(open(run_dir / "suites/long_context.csv"))
+            if r["evaluator"] == "simulated"
+        )
+        assert len(measured) == 2 and sorted(
+            float(r["by_length/prompt_tokens"]) for r in logged["history"] if "by_length/prompt_tokens" in r
+        ) == pytest.approx(measured)
         assert len([r for r in logged["history"] if "by_depth/depth" in r]) == 8
         # the summary is metrics.json
         assert float(logged["summary"]["acceptance_length@k3"]) == pytest.approx(metrics["acceptance_length@k3"])
@@ -76,8 +93,11 @@ def test_comparison_table_aggregates_the_seeds_of_each_variant(store, tmp_path):
     rows = {r["setup"]: r for r in csv.DictReader(open(tmp_path / "comparison.csv"))}
     assert set(rows) == {"eagle3.1", "eagle3"}
     for setup, row in rows.items():
-        taus = [json.loads((d / "metrics.json").read_text())["acceptance_length@k3"] for d in run_dirs(store)
-                if d.name.split("_")[1] == setup]
+        taus = [
+            json.loads((d / "metrics.json").read_text())["acceptance_length@k3"]
+            for d in run_dirs(store)
+            if d.name.split("_")[1] == setup
+        ]
         assert int(row["seeds"]) == int(row["tau_n"]) == 2
         assert float(row["tau"]) == pytest.approx(sum(taus) / 2)
         spread = abs(taus[0] - taus[1])  # n=2: the 95% CI half-width is t(0.975, 1) · |a-b|/2 = 12.706 · |a-b|/2
@@ -95,11 +115,17 @@ def test_dashboard_dry_run_writes_a_report_of_the_metrics_the_runs_logged(store,
     panels = [p for b in spec["blocks"] for p in b.get("panels", [])]
     assert {p["type"] for p in panels} == {"LinePlot", "BarPlot"}
     assert [b["text"] for b in spec["blocks"] if b["type"] == "H1"] == [
-        "Acceptance length vs draft depth", "Long context", "Chat templates and system prompts",
-        "Attention drift per draft depth", "Training"]
+        "Acceptance length vs draft depth",
+        "Long context",
+        "Chat templates and system prompts",
+        "Attention drift per draft depth",
+        "Training",
+    ]
     # every panel: per variant, mean ± standard error over seeds, restricted to the sweep's group
-    assert all(p["groupby"] == {"name": "variant"} and p["groupby_aggfunc"] == "mean"
-               and p["groupby_rangefunc"] == "stderr" for p in panels)
+    assert all(
+        p["groupby"] == {"name": "variant"} and p["groupby_aggfunc"] == "mean" and p["groupby_rangefunc"] == "stderr"
+        for p in panels
+    )
     runsets = [rs for b in spec["blocks"] for rs in b.get("runsets", [])]
     assert runsets and all(rs["filters"] == "Metric('Group') == 'grid_sweep'" for rs in runsets)
     # and every metric a panel plots is one the runs actually logged to W&B
@@ -125,8 +151,12 @@ def _break(store: Path, tmp_path: Path) -> tuple[Path, dict[str, str]]:
     copy = tmp_path / "store"
     shutil.copytree(store / "grid_sweep", copy / "grid_sweep", ignore=shutil.ignore_patterns("wandb"))
     good = run_dirs(copy)[0]
-    broken = {"truncated": "unreadable result file", "no_config": "config.yaml is missing",
-              "failed": "not a finished run", "old_schema": "older eaglelab"}
+    broken = {
+        "truncated": "unreadable result file",
+        "no_config": "config.yaml is missing",
+        "failed": "not a finished run",
+        "old_schema": "older eaglelab",
+    }
     for name in broken:
         shutil.copytree(good, copy / name)
     (copy / "truncated/metrics.json").write_text((good / "metrics.json").read_text()[:40])
@@ -153,12 +183,21 @@ def test_paper_is_regenerated_by_one_command_and_broken_runs_are_named_and_skipp
     figures = {p.stem for p in (out / "figures").glob("*.png")}
     assert figures == {"tau_vs_k", "extrapolation", "long_context", "templates", "drift", "fc_balance"}
     assert all((out / "figures" / f"{f}.pdf").stat().st_size > 1000 for f in figures)
-    assert {p.name for p in (out / "tables").iterdir()} >= {"acceptance.tex", "robustness.tex", "templates.tex",
-                                                            "long_context.tex", "comparison.md", "comparison.csv"}
+    assert {p.name for p in (out / "tables").iterdir()} >= {
+        "acceptance.tex",
+        "robustness.tex",
+        "templates.tex",
+        "long_context.tex",
+        "comparison.md",
+        "comparison.csv",
+    }
     # the numbers the text quotes are the store's (4 good runs; 4 skipped), not typed ones
     numbers = (out / "generated" / "numbers.tex").read_text()
-    taus = [json.loads((d / "metrics.json").read_text())["acceptance_length@k3"] for d in run_dirs(store)
-            if "eagle3.1" in d.name]
+    taus = [
+        json.loads((d / "metrics.json").read_text())["acceptance_length@k3"]
+        for d in run_dirs(store)
+        if "eagle3.1" in d.name
+    ]
     assert rf"\csname eaglelab@eagle3.1@tau\endcsname{{{sum(taus) / 2:.3f}}}" in numbers
     assert r"\csname eaglelab@store@runs\endcsname{4}" in numbers
     assert r"\csname eaglelab@store@skipped\endcsname{4}" in numbers
@@ -167,9 +206,16 @@ def test_paper_is_regenerated_by_one_command_and_broken_runs_are_named_and_skipp
     # and paper.tex types none: outside \val{}{} lookups, figure widths and the definitions k = 2·ttt,
     # τ = 1 + accepted/rounds: no digit
     tex = (ROOT / "paper" / "paper.tex").read_text()
-    body = tex[tex.index(r"\begin{document}"):]
-    for pattern in (r"\\val\{[^}]*\}\{[^}]*\}", r"\\fig\{[^}]*\}\{[\d.]+\}", r"EAGLE-3(\.1)?", r"eagle3(\.1)?",
-                    r"2\\,", r"\{=\}2", r"\\tau = 1 \+"):
+    body = tex[tex.index(r"\begin{document}") :]
+    for pattern in (
+        r"\\val\{[^}]*\}\{[^}]*\}",
+        r"\\fig\{[^}]*\}\{[\d.]+\}",
+        r"EAGLE-3(\.1)?",
+        r"eagle3(\.1)?",
+        r"2\\,",
+        r"\{=\}2",
+        r"\\tau = 1 \+",
+    ):
         body = re.sub(pattern, "", body)
     assert not re.search(r"\d", body), re.findall(r".{30}\d.{10}", body, re.DOTALL)
     if not latex:
@@ -188,7 +234,8 @@ def test_empty_store_is_one_clear_error_and_writes_nothing(tmp_path):
     assert proc.returncode == 2
     assert [line for line in proc.stderr.splitlines() if line.startswith("error: ")] == [
         f"error: no finished run under {tmp_path / 'results'}; a run is finished when its directory holds "
-        "metrics.json (`python src/run.py ...` writes one)"]
+        "metrics.json (`python src/run.py ...` writes one)"
+    ]
     assert not any(p.name in ("figures", "tables", "generated", "paper.pdf") for p in out.iterdir())
     proc = script("analysis/compare.py", tmp_path / "missing", "--out", tmp_path / "cmp")
     assert proc.returncode == 2 and "does not exist" in proc.stderr and not (tmp_path / "cmp").exists()

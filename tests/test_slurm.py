@@ -15,20 +15,31 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ROOT, run_cli
+from benchmarks import preemption
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import preemption  # noqa: E402
+from conftest import ROOT, run_cli
 
 CLUSTER = ROOT / "slurm" / "dev-cluster"
 # Jobs on the test node: no GPUs, one CPU each (two run side by side on 2 cores).
-SLURM = ["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=null", "hydra.launcher.cpus_per_task=1",
-         "hydra.launcher.mem_gb=2", "hydra.launcher.timeout_min=30"]
-QUICK = ["experiment=smoke", "train.epochs=1", "eval.suites.drift.enabled=false",
-         "eval.suites.extrapolation.enabled=false", "train.num_threads=1"]
+SLURM = [
+    "hydra/launcher=slurm",
+    "hydra.launcher.gpus_per_node=null",
+    "hydra.launcher.cpus_per_task=1",
+    "hydra.launcher.mem_gb=2",
+    "hydra.launcher.timeout_min=30",
+]
+QUICK = [
+    "experiment=smoke",
+    "train.epochs=1",
+    "eval.suites.drift.enabled=false",
+    "eval.suites.extrapolation.enabled=false",
+    "train.num_threads=1",
+]
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("slurmctld") is None,
-                                reason="the throw-away Slurm needs root and the Slurm packages (scripts/setup.sh)")
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("slurmctld") is None,
+    reason="the throw-away Slurm needs root and the Slurm packages (scripts/setup.sh)",
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +48,7 @@ def slurm():
     root = Path(tempfile.mkdtemp(prefix="eaglelab-slurm-"))
     root.chmod(0o755)
     env = {**os.environ, "SLURM_TEST_ROOT": str(root), "SMOKE": "0"}
-    started = subprocess.run(["bash", str(CLUSTER / "start.sh")], env=env, capture_output=True, text=True,
-                             timeout=300)
+    started = subprocess.run(["bash", str(CLUSTER / "start.sh")], env=env, capture_output=True, text=True, timeout=300)
     assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
     old = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = str(root / "slurm.conf")
@@ -52,20 +62,30 @@ def slurm():
 
 
 def _sacct(*fields: str) -> list[list[str]]:
-    out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", ",".join(fields)], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        ["sacct", "-n", "-X", "-P", "-o", ",".join(fields)], capture_output=True, text=True, check=True
+    ).stdout
     return [line.split("|") for line in out.splitlines() if line]
 
 
 def test_grid_2x2_through_the_slurm_launcher(slurm, cache_dir, tmp_path):
     sweep = tmp_path / "grid"
-    proc = run_cli(["-m", *QUICK, *SLURM, "+ablation=eagle3_1,eagle3", "train.seed=0,1", f"hydra.sweep.dir={sweep}"],
-                   cache_dir, tmp_path, timeout=900)
+    proc = run_cli(
+        ["-m", *QUICK, *SLURM, "+ablation=eagle3_1,eagle3", "train.seed=0,1", f"hydra.sweep.dir={sweep}"],
+        cache_dir,
+        tmp_path,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = sorted(sweep.glob("*/metrics.json"))
     assert len(runs) == 4
-    labels = {(json.loads((r.parent / "run.json").read_text())["variant"],
-               json.loads((r.parent / "run.json").read_text())["seed"]) for r in runs}
+    labels = {
+        (
+            json.loads((r.parent / "run.json").read_text())["variant"],
+            json.loads((r.parent / "run.json").read_text())["seed"],
+        )
+        for r in runs
+    }
     assert labels == {("eagle3.1", 0), ("eagle3.1", 1), ("eagle3", 0), ("eagle3", 1)}
     ours = {p.name.split("_")[0] for p in (sweep / ".submitit").iterdir()}  # this sweep's array job(s)
     for _ in range(150):  # submitit returns as soon as the results are written; accounting follows shortly
@@ -78,9 +98,22 @@ def test_grid_2x2_through_the_slurm_launcher(slurm, cache_dir, tmp_path):
 
 def test_optuna_sweep_with_two_parallel_jobs(slurm, cache_dir, tmp_path):
     db = tmp_path / "study.db"
-    proc = run_cli(["-m", "+sweep=optuna_search", *QUICK, *SLURM, f"hydra.sweeper.storage=sqlite:///{db}",
-                    "hydra.sweeper.study_name=slurm", "hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=2",
-                    f"hydra.sweep.dir={tmp_path / 'study'}"], cache_dir, tmp_path, timeout=900)
+    proc = run_cli(
+        [
+            "-m",
+            "+sweep=optuna_search",
+            *QUICK,
+            *SLURM,
+            f"hydra.sweeper.storage=sqlite:///{db}",
+            "hydra.sweeper.study_name=slurm",
+            "hydra.sweeper.n_trials=4",
+            "hydra.sweeper.n_jobs=2",
+            f"hydra.sweep.dir={tmp_path / 'study'}",
+        ],
+        cache_dir,
+        tmp_path,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     import optuna
 
@@ -103,8 +136,15 @@ def test_preempted_trial_is_requeued_and_resumes_to_the_same_result(slurm, cache
     reference = tmp_path / "reference"
     preemption.run_to_end(reference, cache_dir, overrides)
     sweep = tmp_path / "preempted"
-    cmd = [sys.executable, str(ROOT / "src" / "run.py"), "-m", *preemption.BASE, *overrides, *SLURM,
-           f"hydra.sweep.dir={sweep}"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "src" / "run.py"),
+        "-m",
+        *preemption.BASE,
+        *overrides,
+        *SLURM,
+        f"hydra.sweep.dir={sweep}",
+    ]
     env = {**os.environ, "EAGLELAB_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1"}
     sweeper = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 600
@@ -133,9 +173,21 @@ def test_preempted_trial_is_requeued_and_resumes_to_the_same_result(slurm, cache
 
 def test_unknown_partition_is_refused_before_submission(slurm, cache_dir, tmp_path):
     before = len(_sacct("JobID"))
-    proc = run_cli(["-m", *QUICK, *SLURM, "hydra.launcher.partition=nope", "train.seed=0,1",
-                    f"hydra.sweep.dir={tmp_path / 'sweep'}"], cache_dir, tmp_path, timeout=120)
+    proc = run_cli(
+        [
+            "-m",
+            *QUICK,
+            *SLURM,
+            "hydra.launcher.partition=nope",
+            "train.seed=0,1",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        ],
+        cache_dir,
+        tmp_path,
+        timeout=120,
+    )
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == ("error: Slurm partition 'nope' does not exist; set "
-                                                    "hydra.launcher.partition to one of: debug")
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: Slurm partition 'nope' does not exist; set hydra.launcher.partition to one of: debug"
+    )
     assert len(_sacct("JobID")) == before and not (tmp_path / "sweep" / ".submitit").exists()

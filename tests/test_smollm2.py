@@ -6,17 +6,25 @@ import json
 import pytest
 import torch
 
-from conftest import compose
 from eaglelab.data.capture import aux_hooks
 from eaglelab.pipeline import run
 from eaglelab.targets import load_target
 
+from conftest import compose
+
 
 @pytest.fixture(scope="module")
 def smollm2_run(cache_dir, tmp_path_factory):
-    overrides = ["data.num_prompts=6", "data.max_new_tokens=16", "data.regen_batch_size=6",
-                 "eval.num_prompts=4", "eval.max_new_tokens=16", "train.epochs=1",
-                 "drafter.draft_vocab_size=512", "data.val_fraction=0.3"]
+    overrides = [
+        "data.num_prompts=6",
+        "data.max_new_tokens=16",
+        "data.regen_batch_size=6",
+        "eval.num_prompts=4",
+        "eval.max_new_tokens=16",
+        "train.epochs=1",
+        "drafter.draft_vocab_size=512",
+        "data.val_fraction=0.3",
+    ]
     return run(compose(overrides, cache_dir, tmp_path_factory.mktemp("smollm2") / "run"))
 
 
@@ -35,8 +43,9 @@ def test_capture_uses_vllm_layer_ids(smollm2_run, cache_dir):
     from eaglelab.config import TargetConfig
 
     target = load_target(TargetConfig(kind="smollm2"), cache_dir)  # converted by the run above
-    ids = target.tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}],
-                                               add_generation_prompt=True, tokenize=True)
+    ids = target.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Say hi."}], add_generation_prompt=True, tokenize=True
+    )
     ids = torch.tensor([list(ids["input_ids"] if hasattr(ids, "keys") else ids)])
     assert target.tokenizer.decode(ids[0]).startswith("<|im_start|>system")  # ChatML, SmolLM2's template
     with torch.no_grad(), aux_hooks(target.model, [2, 15, 27]) as grabbed:

@@ -3,19 +3,18 @@ and the suites on a run (the vLLM side is in tests/test_vllm.py::test_evaluate_a
 
 import csv
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from test_drafter import random_drafter, small_config
 
-from conftest import compose
 from eaglelab.data.long_context import long_context_prompts
 from eaglelab.data.templates import CONDITIONS, renderer
 from eaglelab.drafter import Attention
 from eaglelab.drift import drift_diagnostics
 from eaglelab.pipeline import run
-from test_drafter import random_drafter, small_config
+
+from conftest import compose
 
 MESSAGES = [{"role": "user", "content": "Write a Python function that reverses a list."}]
 
@@ -79,9 +78,15 @@ def features_for(model, n=3, T=24, seed=0):
     rows = []
     for i in range(n):
         scale = torch.tensor([1.0, 10.0, 100.0]).repeat_interleave(H)
-        rows.append({"input_ids": torch.randint(0, 50, (T,), generator=g).tolist(), "prompt_len": 6 + i,
-                     "is_val": False, "aux": bf16_bits(torch.randn(T, 3 * H, generator=g) * scale),
-                     "target_next": [0] * T})
+        rows.append(
+            {
+                "input_ids": torch.randint(0, 50, (T,), generator=g).tolist(),
+                "prompt_len": 6 + i,
+                "is_val": False,
+                "aux": bf16_bits(torch.randn(T, 3 * H, generator=g) * scale),
+                "target_next": [0] * T,
+            }
+        )
     return datasets.Dataset.from_list(rows)
 
 
@@ -127,11 +132,23 @@ def read_csv(path):
 
 def test_suites_on_a_training_run(cache_dir, tmp_path, capsys):
     """+suite=all on the tiny target, simulated evaluator; a windowed drafter is never sent to vLLM."""
-    run_dir = run(compose(["experiment=smoke", "+suite=all", "train.epochs=1", "drafter.attention_window=64",
-                           "eval.vllm.enabled=true", "eval.suites.long_context.lengths=[128,384]",
-                           "eval.suites.long_context.num_prompts=2", "eval.suites.templates.num_prompts=3",
-                           "eval.suites.templates.conditions=[native,no_template,bos_on,system_long]"],
-                          cache_dir, tmp_path / "run"))
+    run_dir = run(
+        compose(
+            [
+                "experiment=smoke",
+                "+suite=all",
+                "train.epochs=1",
+                "drafter.attention_window=64",
+                "eval.vllm.enabled=true",
+                "eval.suites.long_context.lengths=[128,384]",
+                "eval.suites.long_context.num_prompts=2",
+                "eval.suites.templates.num_prompts=3",
+                "eval.suites.templates.conditions=[native,no_template,bos_on,system_long]",
+            ],
+            cache_dir,
+            tmp_path / "run",
+        )
+    )
     suites = run_dir / "suites"
     for name in ("drift", "extrapolation", "long_context", "templates"):
         assert (suites / f"{name}.csv").is_file() and (suites / f"{name}.png").is_file(), name
@@ -146,15 +163,18 @@ def test_suites_on_a_training_run(cache_dir, tmp_path, capsys):
     assert float(templates["native"]["ratio_to_native"]) == 1.0
     assert templates["bos_on"]["same_as"] == "native"  # identical prompts are measured once
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert {"drift/hidden_rms@d8", "drift/sink_share@d1", "extrapolation/simulated/tau_ratio@k6_vs_k3",
-            "long_context/simulated/acceptance_length@384@k3",
-            "templates/simulated/ratio_to_native@no_template@k3"} <= set(metrics)
+    assert {
+        "drift/hidden_rms@d8",
+        "drift/sink_share@d1",
+        "extrapolation/simulated/tau_ratio@k6_vs_k3",
+        "long_context/simulated/acceptance_length@384@k3",
+        "templates/simulated/ratio_to_native@no_template@k3",
+    } <= set(metrics)
     drift = read_csv(suites / "drift.csv")
     assert [int(r["depth"]) for r in drift] == list(range(1, 9))
 
     # The comparison reads run directories only; an unfinished one is named and skipped.
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "analysis"))
-    import compare_suites
+    from analysis import compare_suites
 
     unfinished = tmp_path / "unfinished"
     unfinished.mkdir()

@@ -14,14 +14,17 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from benchmarks import preemption  # the benchmark's kill-and-resume, the same code the closing figures come from
+
 from conftest import ROOT, compose, run_cli
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import preemption  # noqa: E402 — the benchmark's kill-and-resume, the same code the closing figures come from
-
 # A cheap trial: the smoke loop, one epoch, no suites.
-QUICK = ["experiment=smoke", "train.epochs=1", "eval.suites.drift.enabled=false",
-         "eval.suites.extrapolation.enabled=false"]
+QUICK = [
+    "experiment=smoke",
+    "train.epochs=1",
+    "eval.suites.drift.enabled=false",
+    "eval.suites.extrapolation.enabled=false",
+]
 
 
 def _grid(sweep: str) -> list[list[str]]:
@@ -39,8 +42,9 @@ def _grid(sweep: str) -> list[list[str]]:
     return [list(combo) for combo in itertools.product(*axes)]
 
 
-@pytest.mark.parametrize("sweep, trials, keys", [("ablation_grid", 12, ("variant", "seed")),
-                                                  ("ttt_grid", 16, ("variant", "ttt_steps"))])
+@pytest.mark.parametrize(
+    "sweep, trials, keys", [("ablation_grid", 12, ("variant", "seed")), ("ttt_grid", 16, ("variant", "ttt_steps"))]
+)
 def test_ready_grids_expand_to_distinct_valid_trials(sweep, trials, keys, cache_dir, tmp_path):
     grid = _grid(sweep)
     assert len(grid) == trials
@@ -86,7 +90,7 @@ def test_a_run_dir_is_resumed_across_logging_and_newer_settings_but_not_across_w
     import yaml
 
     from eaglelab.errors import EaglelabError
-    from eaglelab.pipeline import previous_attempt
+    from eaglelab.rundir import previous_attempt
 
     cfg = compose(QUICK, cache_dir, tmp_path)
     stored = asdict(cfg)
@@ -112,12 +116,20 @@ def test_same_run_dir_with_another_config_is_refused(cache_dir, tmp_path):
 def test_two_process_ddp_equals_one_process_with_the_same_global_batch(cache_dir, tmp_path):
     """Lightning DDP on CPU (gloo), 2 processes × batch 2 vs 1 process × batch 4: same batches, same loss
     normalisation (by the global count), so the same weights up to float summation order."""
-    common = ["experiment=smoke", "train.epochs=2", "train.precision=32-true", "eval.suites.drift.enabled=false",
-              "train.num_threads=1"]
+    common = [
+        "experiment=smoke",
+        "train.epochs=2",
+        "train.precision=32-true",
+        "eval.suites.drift.enabled=false",
+        "train.num_threads=1",
+    ]
     one = run_cli([*common, "train.batch_size=4", f"hydra.run.dir={tmp_path / 'one'}"], cache_dir, tmp_path)
     assert one.returncode == 0, one.stderr[-2000:]
-    two = run_cli([*common, "train.batch_size=2", "train.devices=2", "train.strategy=ddp",
-                   f"hydra.run.dir={tmp_path / 'two'}"], cache_dir, tmp_path)
+    two = run_cli(
+        [*common, "train.batch_size=2", "train.devices=2", "train.strategy=ddp", f"hydra.run.dir={tmp_path / 'two'}"],
+        cache_dir,
+        tmp_path,
+    )
     assert two.returncode == 0, two.stderr[-2000:]
     assert two.stdout.count("run_dir:") == 1  # only process 0 reports (and writes) results
     a, b = (load_file(tmp_path / d / "drafter" / "model.safetensors") for d in ("one", "two"))
@@ -133,8 +145,11 @@ def test_two_process_ddp_equals_one_process_with_the_same_global_batch(cache_dir
 
 def _study(db: Path, name: str):
     con = sqlite3.connect(db)
-    rows = con.execute("SELECT t.number, t.state FROM trials t JOIN studies s ON t.study_id = s.study_id "
-                       "WHERE s.study_name = ? ORDER BY t.number", (name,)).fetchall()
+    rows = con.execute(
+        "SELECT t.number, t.state FROM trials t JOIN studies s ON t.study_id = s.study_id "
+        "WHERE s.study_name = ? ORDER BY t.number",
+        (name,),
+    ).fetchall()
     con.close()
     return rows
 
@@ -145,10 +160,19 @@ def test_processes_share_one_study_and_a_killed_trial_is_redone(cache_dir, tmp_p
     exactly 4 finished trials. Running the command again finds the budget met and runs nothing. (Processes
     running side by side: benchmarks/study_concurrency.py, 4 × 8 trials.)"""
     db = tmp_path / "study.db"
-    cmd = [sys.executable, str(ROOT / "src" / "run.py"), "-m", "+sweep=optuna_search", *QUICK,
-           f"hydra.sweeper.storage=sqlite:///{db}", "hydra.sweeper.study_name=shared", "hydra.sweeper.n_trials=4",
-           "hydra.sweeper.heartbeat_interval=1", "hydra.sweeper.grace_period=4",
-           f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "src" / "run.py"),
+        "-m",
+        "+sweep=optuna_search",
+        *QUICK,
+        f"hydra.sweeper.storage=sqlite:///{db}",
+        "hydra.sweeper.study_name=shared",
+        "hydra.sweeper.n_trials=4",
+        "hydra.sweeper.heartbeat_interval=1",
+        "hydra.sweeper.grace_period=4",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    ]
     env = {**os.environ, "EAGLELAB_CACHE_DIR": str(cache_dir), "EAGLELAB_RESULTS_DIR": str(tmp_path)}
     victim = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
@@ -169,14 +193,22 @@ def test_processes_share_one_study_and_a_killed_trial_is_redone(cache_dir, tmp_p
     assert again.returncode == 0 and [s for _, s in _study(db, "shared")] == states  # nothing re-run
 
 
-@pytest.mark.parametrize("args, message", [
-    (["hydra/launcher=nowhere"], "hydra/launcher"),
-    (["+sweep=optuna_search", "hydra.sweeper.storage=sqlite:////nonexistent/dir/study.db"],
-     "storage directory /nonexistent/dir does not exist"),
-    (["train.sed=0,1"], "train.sed"),
-    (["drafter.fc_nrom=true,false"], "fc_nrom"),
-    (["train.loss=ce,mse"], "train.loss='mse'"),  # every value of the grid is checked, not only the first
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["hydra/launcher=nowhere"], "hydra/launcher"),
+        (
+            ["+sweep=optuna_search", "hydra.sweeper.storage=sqlite:////nonexistent/dir/study.db"],
+            "storage directory /nonexistent/dir does not exist",
+        ),
+        (["train.sed=0,1"], "train.sed"),
+        (["drafter.fc_nrom=true,false"], "fc_nrom"),
+        # every value of the grid is checked, not only the first
+        (["train.loss=ce,mse"], "sweep parameter 'train.loss': Error merging override train.loss=mse"),
+        (["train.seed=0,1", "eval.suites.templates.conditions=[native,klingon]"], "klingon"),  # the suites' checks
+        (["train.seed=0,1", "drafter.aux_layer_ids=[5,2]"], "must be sorted and unique"),
+    ],
+)
 def test_sweep_mistakes_fail_before_anything_runs(args, message, cache_dir, tmp_path):
     proc = run_cli(["-m", *QUICK, f"hydra.sweep.dir={tmp_path / 'sweep'}", *args], cache_dir, tmp_path, timeout=120)
     assert proc.returncode != 0
@@ -208,7 +240,7 @@ def test_interrupted_attempts_logs_merge_with_every_step_once(tmp_path):
     """A SIGTERM flushes log rows past the last checkpoint; the resumed attempt logs those steps again. The
     merged metrics.csv keeps each attempt's rows only before the step the next attempt resumed from."""
     from eaglelab.io import write_csv
-    from eaglelab.pipeline import merge_logs
+    from eaglelab.rundir import merge_logs
 
     write_csv(tmp_path / "metrics.attempt1.csv", [{"step": s, "train/loss": 10 - s} for s in (4, 9, 14)])
     write_csv(tmp_path / "metrics.attempt2.csv", [{"step": s, "train/loss": 20 - s} for s in (9, 14, 19)])

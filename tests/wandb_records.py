@@ -20,10 +20,10 @@ def records(path: Path):
         if BLOCK - pos % BLOCK < 7:  # a block's tail too short for a header is padding
             pos += BLOCK - pos % BLOCK
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if kind == 0 and length == 0:
             break
-        chunk += data[pos + 7:pos + 7 + length]
+        chunk += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # a record is complete
             record = pb.Record()

@@ -1,4 +1,5 @@
-"""Simulated acceptance of greedy chain drafting, exact for greedy decoding (FIELD_NOTES §3).
+"""Simulated acceptance of greedy chain drafting, exact for greedy decoding
+(docs/conventions.md#measuring-acceptance).
 
 On the target's own greedy continuation x, drafting from verified position s proposes x̂_{s+2..s+k+1};
 a(s) = number of leading drafts equal to x. The teacher-forced TTT forward gives the j-th draft at
@@ -25,7 +26,7 @@ class AcceptanceCounts:
         if not self.accepted_per_pos:
             self.accepted_per_pos = [0] * self.k
 
-    def add(self, other: "AcceptanceCounts") -> None:
+    def add(self, other: AcceptanceCounts) -> None:
         self.drafts += other.drafts
         self.accepted += other.accepted
         self.accepted_per_pos = [a + b for a, b in zip(self.accepted_per_pos, other.accepted_per_pos)]

@@ -17,7 +17,8 @@ Each EAGLE-3.1 flag is a boolean that acts in exactly one place:
     norm_before_residual -> `DecoderLayer.forward`        (residual is hidden_norm(g) instead of g)
     attention_window     -> `context_mask`                (sliding window + kept sink tokens; eaglelab
                                                            only: vLLM's Eagle3 drafter has no such flag)
-Defaults of the EAGLE-3.1 fields are False in `from_vllm_config`, so EAGLE-3 checkpoints load.
+The flags are the fields of `DrafterFlags` (the config group `drafter`, defaults EAGLE-3.1); a boolean missing
+from a checkpoint's config.json reads as False (EAGLE-3), so old checkpoints load.
 
 Training-time test (TTT) unrolls `steps` draft steps over a whole sequence at once. Step j (1-based)
 at position t is the j-th draft from verified position t: it reads token x_{t+j}, is fed step j-1's
@@ -35,9 +36,58 @@ import torch.nn.functional as F
 from torch import nn
 
 
-@dataclass
-class Eagle3Config:
-    """Everything that determines the drafter's shape and behaviour (maps 1:1 to vLLM's config.json)."""
+@dataclass(kw_only=True)
+class DrafterFlags:
+    """The drafter's design choices (conf: `drafter.*`; the defaults are EAGLE-3.1). Each acts in exactly one
+    place (module docstring). A boolean's False is EAGLE-3's behaviour, which is also what a checkpoint without
+    that key in its config.json means (`Eagle3Config.from_vllm_config`), so old checkpoints keep loading.
+    Adding a flag: a field here, the line where it acts, a test."""
+
+    fc_norm: bool = True  # one RMSNorm per aux state before fc
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated aux states (excludes fc_norm)
+    norm_output: bool = True  # feed norm(o_t) to the next draft step instead of o_t
+    norm_before_residual: bool = False  # residual of the first layer is hidden_norm(g_t) instead of g_t
+    num_layers: int = 1  # decoder layers
+    attention_window: int | None = None  # None: full causal attention; N: sliding window (eaglelab only)
+    attention_sink_tokens: int = 4  # first tokens always visible under a window
+
+    def __post_init__(self):
+        if self.fc_norm and self.norm_before_fc:
+            raise ValueError(
+                "drafter.fc_norm and drafter.norm_before_fc are mutually exclusive (both would double-normalise "
+                "the fc input); set one of them to false (+ablation=norm_before_fc turns fc_norm off)"
+            )
+        if self.num_layers < 1:
+            raise ValueError(f"drafter.num_layers must be > 0, got {self.num_layers}")
+        if self.attention_window is not None and self.attention_window < 1:
+            raise ValueError(f"drafter.attention_window must be >= 1 or null, got {self.attention_window}")
+        if self.attention_sink_tokens < 0:
+            raise ValueError(f"drafter.attention_sink_tokens must be >= 0, got {self.attention_sink_tokens}")
+
+
+def check_aux_layer_ids(ids, num_target_layers: int = 0) -> None:
+    """vLLM collects each aux state once, in ascending layer order, from ids 1..L-1: an unsorted list would swap
+    fc's input blocks, a duplicate would drop one (docs/conventions.md#aux-layer-convention)."""
+    ids = list(ids)
+    if not ids:
+        raise ValueError("drafter.aux_layer_ids is empty; give target layer ids or null for the default")
+    if ids != sorted(set(ids)):
+        raise ValueError(
+            f"drafter.aux_layer_ids {ids} must be sorted and unique (vLLM reads them in ascending "
+            f"order, once each); use {sorted(set(ids))}"
+        )
+    top = num_target_layers - 1 if num_target_layers else None
+    if ids[0] < 1 or (top is not None and ids[-1] > top):
+        raise ValueError(
+            f"drafter.aux_layer_ids {ids} out of range: the target has L={num_target_layers or '?'} "
+            f"layers, ids must be in 1..{top if top is not None else 'L-1'}"
+        )
+
+
+@dataclass(kw_only=True)
+class Eagle3Config(DrafterFlags):
+    """Everything that determines the drafter (maps 1:1 to vLLM's config.json): the design flags plus the
+    shape, which follows the target (vLLM shares the target's embeddings, so H matches)."""
 
     hidden_size: int
     intermediate_size: int
@@ -48,44 +98,60 @@ class Eagle3Config:
     draft_vocab_size: int
     target_hidden_size: int
     aux_layer_ids: tuple[int, ...]
-    num_layers: int = 1
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
-    fc_norm: bool = True
-    norm_before_fc: bool = False
-    norm_output: bool = True
-    norm_before_residual: bool = False
-    attention_window: int | None = None  # None: full causal attention
-    attention_sink_tokens: int = 4  # first tokens always visible under a window
     target_num_layers: int = 0  # L of the target; only used for validation
 
     def __post_init__(self):
+        super().__post_init__()
         self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
-        if self.fc_norm and self.norm_before_fc:
-            raise ValueError(
-                "drafter.fc_norm and drafter.norm_before_fc are mutually exclusive (both would "
-                "double-normalise the fc input); set one of them to false"
-            )
-        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                     "head_dim", "vocab_size", "draft_vocab_size", "target_hidden_size", "num_layers"):
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "draft_vocab_size",
+            "target_hidden_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"drafter {name} must be >= 1, got {getattr(self, name)}")
         if self.draft_vocab_size > self.vocab_size:
-            raise ValueError(f"drafter.draft_vocab_size ({self.draft_vocab_size}) exceeds the target "
-                             f"vocabulary ({self.vocab_size}); lower it")
+            raise ValueError(
+                f"drafter.draft_vocab_size={self.draft_vocab_size} exceeds the target's vocabulary "
+                f"({self.vocab_size} tokens); lower drafter.draft_vocab_size"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        if not self.aux_layer_ids:
-            raise ValueError("drafter.aux_layer_ids must name at least one target layer")
-        if self.target_num_layers:
-            bad = [i for i in self.aux_layer_ids if not 0 <= i < self.target_num_layers]
-            if bad:
-                raise ValueError(
-                    f"drafter.aux_layer_ids {list(self.aux_layer_ids)} out of range: the target has "
-                    f"L={self.target_num_layers} layers, ids must be in 0..{self.target_num_layers - 1}")
-        if self.attention_window is not None and self.attention_window < 1:
-            raise ValueError("drafter.attention_window must be >= 1 or null (full attention)")
+        check_aux_layer_ids(self.aux_layer_ids, self.target_num_layers)
+
+    @classmethod
+    def for_target(
+        cls, flags: DrafterFlags, target_config, *, aux_layer_ids, draft_vocab_size: int, max_context: int
+    ) -> Eagle3Config:
+        """The design flags of `flags` on the shape of a Hugging Face target config (`target_config`)."""
+        tc, heads = target_config, target_config.num_attention_heads
+        rope_theta = getattr(tc, "rope_theta", None) or (getattr(tc, "rope_parameters", None) or {}).get(
+            "rope_theta", 10000.0
+        )
+        return cls(
+            **{f.name: getattr(flags, f.name) for f in fields(DrafterFlags)},
+            hidden_size=tc.hidden_size,
+            intermediate_size=tc.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(tc, "num_key_value_heads", heads) or heads,
+            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+            vocab_size=tc.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            target_hidden_size=tc.hidden_size,
+            aux_layer_ids=tuple(aux_layer_ids),
+            rms_norm_eps=tc.rms_norm_eps,
+            rope_theta=float(rope_theta),
+            max_position_embeddings=max_context,
+            target_num_layers=tc.num_hidden_layers,
+        )
 
     # --- vLLM's config.json ------------------------------------------------------------------
     def to_vllm_config(self) -> dict:
@@ -107,40 +173,44 @@ class Eagle3Config:
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": False,
             "torch_dtype": "float32",
-            "fc_norm": self.fc_norm,
-            "norm_output": self.norm_output,
-            "norm_before_fc": self.norm_before_fc,
-            "norm_before_residual": self.norm_before_residual,
+            **{name: getattr(self, name) for name in _boolean_flags()},  # fc_norm, norm_output, ...
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)},
+            # also at the top level: some vLLM versions read it there and otherwise use the default ids
+            "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
         }
         # eaglelab-only fields (vLLM ignores unknown keys); recorded so the checkpoint is complete.
-        cfg["eaglelab"] = {"attention_window": self.attention_window,
-                           "attention_sink_tokens": self.attention_sink_tokens,
-                           "target_num_layers": self.target_num_layers}
+        cfg["eaglelab"] = {
+            "attention_window": self.attention_window,
+            "attention_sink_tokens": self.attention_sink_tokens,
+            "target_num_layers": self.target_num_layers,
+        }
         return cfg
 
     @classmethod
-    def from_vllm_config(cls, cfg: dict) -> "Eagle3Config":
+    def from_vllm_config(cls, cfg: dict) -> Eagle3Config:
         extra = cfg.get("eaglelab", {})
-        aux = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        aux = (cfg.get("eagle_config") or {}).get(
+            "eagle_aux_hidden_state_layer_ids", cfg.get("eagle_aux_hidden_state_layer_ids")
+        )
         if aux is None:
             raise ValueError("config.json has no eagle_config.eagle_aux_hidden_state_layer_ids")
         rope_theta = cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         return cls(
-            hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
             num_attention_heads=cfg["num_attention_heads"],
             num_key_value_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
             head_dim=cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]),
-            vocab_size=cfg["vocab_size"], draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
+            vocab_size=cfg["vocab_size"],
+            draft_vocab_size=cfg.get("draft_vocab_size") or cfg["vocab_size"],
             target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]),
-            aux_layer_ids=tuple(aux), num_layers=cfg.get("num_hidden_layers", 1),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5), rope_theta=rope_theta,
+            aux_layer_ids=tuple(aux),
+            num_layers=cfg.get("num_hidden_layers", 1),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=rope_theta,
             max_position_embeddings=cfg.get("max_position_embeddings", 8192),
-            # Missing EAGLE-3.1 flags mean EAGLE-3 behaviour: old checkpoints keep loading.
-            fc_norm=bool(cfg.get("fc_norm", False)),
-            norm_before_fc=bool(cfg.get("norm_before_fc", False)),
-            norm_output=bool(cfg.get("norm_output", False)),
-            norm_before_residual=bool(cfg.get("norm_before_residual", False)),
+            # A missing flag means EAGLE-3 behaviour (False): old checkpoints keep loading.
+            **{name: bool(cfg.get(name, False)) for name in _boolean_flags()},
             attention_window=extra.get("attention_window"),
             attention_sink_tokens=extra.get("attention_sink_tokens", 4),
             target_num_layers=extra.get("target_num_layers", 0),
@@ -148,6 +218,11 @@ class Eagle3Config:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _boolean_flags() -> list[str]:
+    """The boolean design flags: written to config.json as top-level keys, the way vLLM reads them."""
+    return [f.name for f in fields(DrafterFlags) if f.type == "bool"]
 
 
 class RMSNorm(nn.Module):
@@ -172,12 +247,13 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     if angles.dim() == 3:
         angles = angles[:, None]  # [B, 1, T, d]
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-def context_mask(q_pos: torch.Tensor, q_t: torch.Tensor, k_pos: torch.Tensor, window: int | None,
-                 sink: int) -> torch.Tensor:
+def context_mask(
+    q_pos: torch.Tensor, q_t: torch.Tensor, k_pos: torch.Tensor, window: int | None, sink: int
+) -> torch.Tensor:
     """Which context keys a query sees. q_pos: [B, Tq] position ids (t + j - 1), q_t: [B, Tq] the
     verified position t the query drafts from, k_pos: [Tk] -> bool [B, Tq, Tk]. Causal up to t;
     optionally a sliding window (relative to the query's position id) that keeps `sink` first tokens."""
@@ -224,18 +300,29 @@ class Attention(nn.Module):
         # Steps 2..j at the same position t: one key each, a "diagonal" extension of the context.
         diag = [(k_i.repeat_interleave(rep, 1), v_i.repeat_interleave(rep, 1)) for k_i, v_i in cache[1:]]
         block = max(1, self.MAX_SCORES // (B * h * T))
-        out = torch.cat([self._attend(q[:, :, s: s + block], k_ctx, v_ctx,
-                                      [(k_i[:, :, s: s + block], v_i[:, :, s: s + block]) for k_i, v_i in diag],
-                                      positions[:, s: s + block], query_t[:, s: s + block])
-                         for s in range(0, Tq, block)], dim=2)  # [B, h, Tq, d]
+        out = torch.cat(
+            [
+                self._attend(
+                    q[:, :, s : s + block],
+                    k_ctx,
+                    v_ctx,
+                    [(k_i[:, :, s : s + block], v_i[:, :, s : s + block]) for k_i, v_i in diag],
+                    positions[:, s : s + block],
+                    query_t[:, s : s + block],
+                )
+                for s in range(0, Tq, block)
+            ],
+            dim=2,
+        )  # [B, h, Tq, d]
         return self.o_proj(out.transpose(1, 2).reshape(B, Tq, h * d))
 
     def _attend(self, q, k_ctx, v_ctx, diag, positions, query_t):
         """q: [B, h, tq, d] against the T context keys and the queries' own earlier drafts."""
         cfg, T = self.cfg, k_ctx.shape[2]
         scale = 1.0 / math.sqrt(cfg.head_dim)
-        mask = context_mask(positions, query_t, torch.arange(T, device=q.device), cfg.attention_window,
-                            cfg.attention_sink_tokens)  # [B, tq, T]
+        mask = context_mask(
+            positions, query_t, torch.arange(T, device=q.device), cfg.attention_window, cfg.attention_sink_tokens
+        )  # [B, tq, T]
         scores = (q @ k_ctx.transpose(-1, -2)) * scale  # [B, h, tq, T]
         scores = scores.masked_fill(~mask[:, None], float("-inf"))
         own = [(q * k_i).sum(-1, keepdim=True) * scale for k_i, _ in diag]
@@ -244,7 +331,7 @@ class Attention(nn.Module):
             self.probe(probs, positions, query_t)
         out = probs[..., :T] @ v_ctx
         for i, (_, v_i) in enumerate(diag):
-            out = out + probs[..., T + i: T + i + 1] * v_i
+            out = out + probs[..., T + i : T + i + 1] * v_i
         return out
 
 
@@ -361,8 +448,9 @@ class Eagle3Drafter(nn.Module):
         normed = self.norm(x)
         return StepOutput(normed, self.feedback(x, normed), x)
 
-    def unroll(self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int,
-               first: torch.Tensor | None = None) -> list[StepOutput]:
+    def unroll(
+        self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int, first: torch.Tensor | None = None
+    ) -> list[StepOutput]:
         """Training-time test: `steps` draft steps at every position of a teacher-forced sequence.
 
         aux: [B, T, n_aux·H_t] target states at positions 0..T-1; input_ids: [B, T] tokens x_0..x_{T-1}.
@@ -377,7 +465,7 @@ class Eagle3Drafter(nn.Module):
         padded = F.pad(input_ids, (0, steps))  # [B, T + steps]
         caches = [[] for _ in self.layers]
         every = torch.arange(T, device=device).expand(B, T)
-        out = self.step(padded[:, 1: T + 1], self.fuse(aux), every, every, caches)
+        out = self.step(padded[:, 1 : T + 1], self.fuse(aux), every, every, caches)
         outs = [out]
         # Queries of steps >= 2: positions first[b] .. T-1, packed to the left ([B, Tq]).
         first = torch.zeros(B, dtype=torch.long, device=device) if first is None else first.clamp(0, T - 1)
@@ -390,8 +478,9 @@ class Eagle3Drafter(nn.Module):
         for j in range(2, steps + 1):
             step = self.step(padded[rows, t + j], hidden, t + (j - 1), t, caches)
             hidden = step.hidden
-            outs.append(StepOutput(*(self._scatter(x, rows, t, real, T) for x in
-                                     (step.normed, step.hidden, step.prenorm))))
+            outs.append(
+                StepOutput(*(self._scatter(x, rows, t, real, T) for x in (step.normed, step.hidden, step.prenorm)))
+            )
         return outs
 
     @staticmethod
@@ -413,13 +502,13 @@ def export_state_dict(model: Eagle3Drafter) -> dict[str, torch.Tensor]:
         if name.startswith("embed_tokens."):
             continue
         if model.cfg.num_layers == 1 and name.startswith("layers.0."):
-            name = "midlayer." + name[len("layers.0."):]
+            name = "midlayer." + name[len("layers.0.") :]
         out[name] = t.detach().contiguous()
     return out
 
 
 def import_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in sd.items()}
+    return {("layers.0." + k[len("midlayer.") :] if k.startswith("midlayer.") else k): v for k, v in sd.items()}
 
 
 def config_fields() -> list[str]:

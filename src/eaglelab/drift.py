@@ -23,8 +23,8 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from eaglelab.batches import Batch, FeatureDataset, collate
 from eaglelab.drafter import Eagle3Drafter
-from eaglelab.training import Batch, FeatureDataset, collate
 
 MEASURES = ("hidden_rms", "sink_share", "context_share", "draft_share", "recent_share", "entropy")
 
@@ -57,7 +57,7 @@ class _Accumulator:
         p = probs.float()
         ctx, own = p[..., :T], p[..., T:]
         recent_ctx = torch.arange(T, device=p.device) > (positions[..., None] - self.recent)  # [B, tq, T]
-        own_recent = own[..., max(own.shape[-1] - self.recent, 0):]  # drafted keys are the most recent ones
+        own_recent = own[..., max(own.shape[-1] - self.recent, 0) :]  # drafted keys are the most recent ones
         self.add(j, "sink_share", ctx[..., 0], valid)
         self.add(j, "context_share", ctx.sum(-1), valid)
         self.add(j, "draft_share", own.sum(-1), valid)
@@ -81,8 +81,9 @@ def _probing(drafter: Eagle3Drafter, probe):
 
 
 @torch.no_grad()
-def drift_diagnostics(drafter: Eagle3Drafter, features, depth: int, recent_tokens: int = 8,
-                      batch_size: int = 2) -> tuple[list[dict], list[dict]]:
+def drift_diagnostics(
+    drafter: Eagle3Drafter, features, depth: int, recent_tokens: int = 8, batch_size: int = 2
+) -> tuple[list[dict], list[dict]]:
     """-> (rows per depth j = 1..depth with MEASURES, rows per aux layer with its fc input share)."""
     drafter.eval()
     acc = _Accumulator(recent_tokens)
@@ -90,8 +91,9 @@ def drift_diagnostics(drafter: Eagle3Drafter, features, depth: int, recent_token
     energy = torch.zeros(n_aux, dtype=torch.float64)
     data = FeatureDataset(features, list(range(len(features))), with_final=False)
     with _probing(drafter, acc.probe):
-        for batch in tqdm(DataLoader(data, batch_size=batch_size, collate_fn=collate), desc="drift diagnostics",
-                          leave=False):
+        for batch in tqdm(
+            DataLoader(data, batch_size=batch_size, collate_fn=collate), desc="drift diagnostics", leave=False
+        ):
             acc.batch = batch
             B, T = batch.input_ids.shape
             every = torch.arange(T).expand(B, T)
@@ -103,8 +105,10 @@ def drift_diagnostics(drafter: Eagle3Drafter, features, depth: int, recent_token
             for j, x in enumerate(fed, start=1):
                 rms = x.float().pow(2).mean(-1).sqrt()  # [B, T]
                 acc.add(j, "hidden_rms", rms, acc.valid(every, j))
-    per_depth = [{"depth": j, **{m: acc.mean(j, m) for m in MEASURES}, "drafts": acc.counts[(j, "hidden_rms")]}
-                 for j in range(1, depth + 1)]
+    per_depth = [
+        {"depth": j, **{m: acc.mean(j, m) for m in MEASURES}, "drafts": acc.counts[(j, "hidden_rms")]}
+        for j in range(1, depth + 1)
+    ]
     share = (energy / energy.sum()).tolist() if energy.sum() > 0 else [float("nan")] * n_aux
     fc_balance = [{"aux_layer": layer, "input_share": s} for layer, s in zip(drafter.cfg.aux_layer_ids, share)]
     return per_depth, fc_balance

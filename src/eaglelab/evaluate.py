@@ -1,7 +1,9 @@
-"""Held-out evaluation with the in-house simulated evaluator (greedy chain drafting, exact)."""
+"""Held-out evaluation: the in-house simulated evaluator (greedy chain drafting), and the same drafter
+served by vLLM next to its target (acceptance per k, decode speedup, parity with the simulator)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,13 +12,19 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from eaglelab.acceptance import AcceptanceCounts
+from eaglelab.batches import FeatureDataset, acceptance_counts, collate
+from eaglelab.config import RunConfig, max_k
 from eaglelab.drafter import Eagle3Drafter
-from eaglelab.training import FeatureDataset, acceptance_counts, collate
+from eaglelab.errors import EaglelabError
+from eaglelab.vllm_engine import INSTALL_HINT, vllm_available
+
+log = logging.getLogger("eaglelab")
 
 
 @torch.no_grad()
-def evaluate_simulated(drafter: Eagle3Drafter, features, max_k: int,
-                       batch_size: int = 4) -> dict[int, AcceptanceCounts]:
+def evaluate_simulated(
+    drafter: Eagle3Drafter, features, max_k: int, batch_size: int = 4
+) -> dict[int, AcceptanceCounts]:
     """τ and per-position acceptance for every k = 1..max_k over all sequences of `features`."""
     drafter.eval()
     data = FeatureDataset(features, list(range(len(features))), with_final=False)
@@ -30,14 +38,76 @@ def evaluate_simulated(drafter: Eagle3Drafter, features, max_k: int,
 
 def acceptance_rows(totals: dict[int, AcceptanceCounts], evaluator: str, suite: str) -> tuple[list, list]:
     """Tidy tables: one row per k, and one row per (k, draft position)."""
-    by_k = [{"suite": suite, "evaluator": evaluator, "k": k, "acceptance_length": c.acceptance_length,
-             "drafts": c.drafts, "accepted": c.accepted} for k, c in sorted(totals.items())]
-    by_pos = [{"suite": suite, "evaluator": evaluator, "k": k, "position": i + 1, "acceptance_rate": r}
-              for k, c in sorted(totals.items()) for i, r in enumerate(c.per_position)]
+    by_k = [
+        {
+            "suite": suite,
+            "evaluator": evaluator,
+            "k": k,
+            "acceptance_length": c.acceptance_length,
+            "drafts": c.drafts,
+            "accepted": c.accepted,
+        }
+        for k, c in sorted(totals.items())
+    ]
+    by_pos = [
+        {"suite": suite, "evaluator": evaluator, "k": k, "position": i + 1, "acceptance_rate": r}
+        for k, c in sorted(totals.items())
+        for i, r in enumerate(c.per_position)
+    ]
     return by_k, by_pos
 
 
 # --- the serving engine's view of the same drafter -------------------------------------------------
+@dataclass(frozen=True)
+class Serving:
+    """What vLLM needs of the target to serve a drafter next to it."""
+
+    path: Path  # the target's Hugging Face folder
+    max_model_len: int  # its context window
+
+
+def vllm_wanted(cfg: RunConfig) -> bool:
+    """Whether vLLM evaluates this run (asked before any expensive work: a required but missing vLLM fails now)."""
+    enabled = cfg.eval.vllm.enabled
+    if enabled is False:
+        return False
+    if not vllm_available():
+        if enabled:
+            raise EaglelabError(INSTALL_HINT)
+        log.warning("vLLM is not installed: evaluating with the simulated evaluator only (%s)", INSTALL_HINT)
+        return False
+    return True
+
+
+def held_out_in_vllm(cfg: RunConfig, run_dir: Path, drafter: Eagle3Drafter, serving: Serving, features) -> VllmReport:
+    """`evaluate_in_vllm` with the run's settings, on its exported drafter."""
+    v, K = cfg.eval.vllm, max_k(cfg)
+    try:
+        return evaluate_in_vllm(
+            drafter,
+            run_dir / "drafter",
+            serving.path,
+            features,
+            ks=v.ks or list(range(1, K + 1)),
+            throughput_ks=[cfg.train.ttt_steps] if v.throughput_ks is None else v.throughput_ks,
+            concurrencies=v.concurrencies,
+            num_prompts=v.num_prompts,
+            throughput_prompts=v.throughput_prompts,
+            max_new_tokens=cfg.eval.max_new_tokens,
+            dtype=cfg.target.dtype,
+            max_model_len=serving.max_model_len,
+            suite=cfg.eval.prompts,
+            workdir=run_dir / "vllm",
+            enforce_eager=v.enforce_eager,
+            timeout=v.timeout_s,
+        )
+    except EaglelabError as e:
+        raise EaglelabError(
+            f"{e} — the drafter is kept in {run_dir / 'drafter'}; evaluate it again with "
+            f"`python src/run.py checkpoint={run_dir}`"
+        ) from None
+
+
 def evenly_spaced(n_total: int, n: int) -> list[int]:
     """n indices spread over 0..n_total-1 (the cached sequences are in length order: a prefix would
     be the shortest prompts only)."""
@@ -46,8 +116,9 @@ def evenly_spaced(n_total: int, n: int) -> list[int]:
 
 
 def counts_from(row: dict) -> AcceptanceCounts:
-    return AcceptanceCounts(k=row["k"], drafts=row["drafts"], accepted=row["accepted"],
-                            accepted_per_pos=row["accepted_per_pos"])
+    return AcceptanceCounts(
+        k=row["k"], drafts=row["drafts"], accepted=row["accepted"], accepted_per_pos=row["accepted_per_pos"]
+    )
 
 
 @dataclass
@@ -59,21 +130,46 @@ class VllmReport:
     metrics: dict
 
 
-def evaluate_in_vllm(drafter: Eagle3Drafter, drafter_dir: Path, target_path: Path, features, *, ks: list[int],
-                     throughput_ks: list[int], concurrencies: list[int], num_prompts: int, throughput_prompts: int,
-                     max_new_tokens: int, dtype: str, max_model_len: int, suite: str, workdir: Path,
-                     enforce_eager: bool | None = None, timeout: int = 3600) -> VllmReport:
+def evaluate_in_vllm(
+    drafter: Eagle3Drafter,
+    drafter_dir: Path,
+    target_path: Path,
+    features,
+    *,
+    ks: list[int],
+    throughput_ks: list[int],
+    concurrencies: list[int],
+    num_prompts: int,
+    throughput_prompts: int,
+    max_new_tokens: int,
+    dtype: str,
+    max_model_len: int,
+    suite: str,
+    workdir: Path,
+    enforce_eager: bool | None = None,
+    timeout: int = 3600,
+) -> VllmReport:
     """τ per k and decode speed in vLLM, and the simulated evaluator on exactly the same prompts."""
     from eaglelab.vllm_engine import run_engine
 
     idx = evenly_spaced(len(features), num_prompts)
     subset = features.select(idx)
     prompts = [list(map(int, ids[:p])) for ids, p in zip(subset["input_ids"], subset["prompt_len"])]
-    job = {"mode": "evaluate", "target": str(target_path), "drafter": str(drafter_dir), "prompts": prompts,
-           "max_tokens": max_new_tokens, "ks": ks, "throughput_ks": throughput_ks, "concurrencies": concurrencies,
-           "throughput_prompts": throughput_prompts, "dtype": dtype, "max_model_len": max_model_len,
-           "enforce_eager": enforce_eager,
-           "engines": len(ks) + (len(throughput_ks) + bool(throughput_ks)) * len(concurrencies)}
+    job = {
+        "mode": "evaluate",
+        "target": str(target_path),
+        "drafter": str(drafter_dir),
+        "prompts": prompts,
+        "max_tokens": max_new_tokens,
+        "ks": ks,
+        "throughput_ks": throughput_ks,
+        "concurrencies": concurrencies,
+        "throughput_prompts": throughput_prompts,
+        "dtype": dtype,
+        "max_model_len": max_model_len,
+        "enforce_eager": enforce_eager,
+        "engines": len(ks) + (len(throughput_ks) + bool(throughput_ks)) * len(concurrencies),
+    }
     result = run_engine(job, workdir, timeout=timeout, desc="evaluate (vLLM)")
 
     vllm_totals = {row["k"]: counts_from(row) for row in result["acceptance"]}
@@ -85,23 +181,34 @@ def evaluate_in_vllm(drafter: Eagle3Drafter, drafter_dir: Path, target_path: Pat
         k = row["k"]
         tau_sim, tau_vllm = sim_totals[k].acceptance_length, vllm_totals[k].acceptance_length
         same = sum(o == r for o, r in zip(row["outputs"], responses)) / len(responses)
-        parity.append({"suite": suite, "k": k, "prompts": len(prompts), "tau_simulated": tau_sim,
-                       "tau_vllm": tau_vllm, "relative_difference": (tau_sim - tau_vllm) / tau_vllm,
-                       "drafts_simulated": sim_totals[k].drafts, "drafts_vllm": vllm_totals[k].drafts,
-                       "same_output_share": same})
+        parity.append(
+            {
+                "suite": suite,
+                "k": k,
+                "prompts": len(prompts),
+                "tau_simulated": tau_sim,
+                "tau_vllm": tau_vllm,
+                "relative_difference": (tau_sim - tau_vllm) / tau_vllm,
+                "drafts_simulated": sim_totals[k].drafts,
+                "drafts_vllm": vllm_totals[k].drafts,
+                "same_output_share": same,
+            }
+        )
         metrics[f"vllm/acceptance_length@k{k}"] = tau_vllm
         metrics[f"parity/relative_difference@k{k}"] = (tau_sim - tau_vllm) / tau_vllm
     if parity:
         metrics["parity/max_abs_relative_difference"] = max(abs(p["relative_difference"]) for p in parity)
 
-    baseline = {r["concurrency"]: r["output_tokens"] / r["seconds"]
-                for r in result["throughput"] if r["method"] == "none"}
+    baseline = {
+        r["concurrency"]: r["output_tokens"] / r["seconds"] for r in result["throughput"] if r["method"] == "none"
+    }
     throughput = []
     for r in result["throughput"]:
         tps = r["output_tokens"] / r["seconds"]
         speedup = tps / baseline[r["concurrency"]]
-        throughput.append({**r, "output_tokens_per_s": tps, "per_user_tokens_per_s": tps / r["concurrency"],
-                           "speedup": speedup})
+        throughput.append(
+            {**r, "output_tokens_per_s": tps, "per_user_tokens_per_s": tps / r["concurrency"], "speedup": speedup}
+        )
         if r["method"] != "none":
             metrics[f"vllm/speedup@k{r['k']}@c{r['concurrency']}"] = speedup
         metrics[f"vllm/output_tokens_per_s@{r['method']}@k{r['k']}@c{r['concurrency']}"] = tps

@@ -1,4 +1,5 @@
-"""Drafter checkpoints in vLLM's Eagle3 format: config.json + model.safetensors (FIELD_NOTES §2).
+"""Drafter checkpoints in vLLM's Eagle3 format: config.json + model.safetensors
+(the contract: docs/conventions.md#vllm-eagle3-checkpoint).
 
 Every training run writes one (`<run_dir>/drafter/`); any Lightning checkpoint can be exported later:
 
@@ -30,8 +31,9 @@ def save_drafter(model: Eagle3Drafter, out: Path) -> Path:
     return out
 
 
-def _build(path: Path, cfg: Eagle3Config, sd: dict, embed_tokens: torch.Tensor | None,
-           target: TargetShape | None = None) -> Eagle3Drafter:
+def _build(
+    path: Path, cfg: Eagle3Config, sd: dict, embed_tokens: torch.Tensor | None, target: TargetShape | None = None
+) -> Eagle3Drafter:
     if target is not None:  # before any weight is touched: a mismatch is the target's, not the file's
         check_compatible(cfg, target, path)
     model = Eagle3Drafter(cfg)
@@ -44,16 +46,20 @@ def _build(path: Path, cfg: Eagle3Config, sd: dict, embed_tokens: torch.Tensor |
     try:
         missing, unexpected = model.load_state_dict(sd, strict=False)
     except RuntimeError as e:  # shape mismatch
-        raise EaglelabError(f"{path}: weights do not fit its config ({str(e).splitlines()[1].strip()[:160]}); "
-                            "re-export the checkpoint") from None
+        raise EaglelabError(
+            f"{path}: weights do not fit its config ({str(e).splitlines()[1].strip()[:160]}); re-export the checkpoint"
+        ) from None
     if missing or unexpected:
-        raise EaglelabError(f"{path}: weights do not match its config.json (missing {missing[:3]}, "
-                            f"unexpected {unexpected[:3]}); re-export the checkpoint")
+        raise EaglelabError(
+            f"{path}: weights do not match its config.json (missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}); re-export the checkpoint"
+        )
     return model
 
 
-def load_drafter(path: Path, embed_tokens: torch.Tensor | None = None,
-                 target: TargetShape | None = None) -> Eagle3Drafter:
+def load_drafter(
+    path: Path, embed_tokens: torch.Tensor | None = None, target: TargetShape | None = None
+) -> Eagle3Drafter:
     """Load an Eagle3 checkpoint (EAGLE-3 or 3.1). `embed_tokens`: the target's, when not in the file."""
     path = Path(path)
     try:
@@ -62,32 +68,41 @@ def load_drafter(path: Path, embed_tokens: torch.Tensor | None = None,
     except FileNotFoundError as e:
         raise EaglelabError(f"{path} is not a drafter checkpoint ({Path(e.filename).name} missing)") from None
     except Exception as e:
-        raise EaglelabError(f"cannot read drafter checkpoint {path} ({type(e).__name__}: "
-                            f"{first_line(e, 120)}); re-export it") from None
+        raise EaglelabError(
+            f"cannot read drafter checkpoint {path} ({type(e).__name__}: {first_line(e, 120)}); re-export it"
+        ) from None
     return _build(path, cfg, sd, embed_tokens, target)
 
 
-def load_lightning(ckpt: Path, target: TargetShape | None = None,
-                   embed_tokens: torch.Tensor | None = None) -> Eagle3Drafter:
+def load_lightning(
+    ckpt: Path, target: TargetShape | None = None, embed_tokens: torch.Tensor | None = None
+) -> Eagle3Drafter:
     """The drafter inside a Lightning checkpoint written by training (its hyper-parameters carry the
     model config). The frozen target embeddings are left out of checkpoints: `embed_tokens` supplies them."""
     ckpt = Path(ckpt)
     try:
         state = torch.load(str(ckpt), map_location="cpu", weights_only=False)
-        cfg = Eagle3Config(**{**state["hyper_parameters"]["model"],
-                              "aux_layer_ids": tuple(state["hyper_parameters"]["model"]["aux_layer_ids"])})
+        cfg = Eagle3Config(
+            **{
+                **state["hyper_parameters"]["model"],
+                "aux_layer_ids": tuple(state["hyper_parameters"]["model"]["aux_layer_ids"]),
+            }
+        )
     except FileNotFoundError:
         raise EaglelabError(f"{ckpt} does not exist; pass a run directory, a .ckpt or an exported drafter") from None
     except Exception as e:
-        raise EaglelabError(f"cannot read Lightning checkpoint {ckpt} ({type(e).__name__}: "
-                            f"{first_line(e, 120)}); it is not an eaglelab "
-                            "training checkpoint or it is truncated") from None
-    sd = {k[len("drafter."):]: v for k, v in state["state_dict"].items() if k.startswith("drafter.")}
+        raise EaglelabError(
+            f"cannot read Lightning checkpoint {ckpt} ({type(e).__name__}: "
+            f"{first_line(e, 120)}); it is not an eaglelab "
+            "training checkpoint or it is truncated"
+        ) from None
+    sd = {k[len("drafter.") :]: v for k, v in state["state_dict"].items() if k.startswith("drafter.")}
     return _build(ckpt, cfg, sd, embed_tokens, target)
 
 
-def load_checkpoint(path: Path, embed_tokens: torch.Tensor | None = None,
-                    target: TargetShape | None = None) -> Eagle3Drafter:
+def load_checkpoint(
+    path: Path, embed_tokens: torch.Tensor | None = None, target: TargetShape | None = None
+) -> Eagle3Drafter:
     """An exported drafter folder, a run directory (its `drafter/`, else its Lightning checkpoint) or a
     .ckpt. With `target`, a drafter trained for another target is refused before its weights load."""
     path = Path(path).expanduser()
@@ -99,8 +114,10 @@ def load_checkpoint(path: Path, embed_tokens: torch.Tensor | None = None,
         return load_drafter(path / "drafter", embed_tokens, target)
     if (path / "lightning" / "last.ckpt").exists():
         return load_lightning(path / "lightning" / "last.ckpt", target, embed_tokens)
-    raise EaglelabError(f"{path} holds no drafter: expected an exported drafter (config.json + model.safetensors), "
-                        "a run directory or a Lightning .ckpt")
+    raise EaglelabError(
+        f"{path} holds no drafter: expected an exported drafter (config.json + model.safetensors), "
+        "a run directory or a Lightning .ckpt"
+    )
 
 
 @dataclass(frozen=True)
@@ -119,11 +136,13 @@ def check_compatible(cfg: Eagle3Config, target: TargetShape, where) -> None:
         problems.append(f"target hidden size {cfg.target_hidden_size} != {target.hidden_size}")
     if cfg.vocab_size != target.vocab_size:
         problems.append(f"vocab size {cfg.vocab_size} != {target.vocab_size}")
-    if max(cfg.aux_layer_ids) > target.num_layers:
-        problems.append(f"aux layer ids {list(cfg.aux_layer_ids)} exceed the target's {target.num_layers} layers")
+    if max(cfg.aux_layer_ids) > target.num_layers - 1:
+        problems.append(f"aux layer ids {list(cfg.aux_layer_ids)} exceed the target's ids 1..{target.num_layers - 1}")
     if problems:
-        raise EaglelabError(f"{where} was trained for another target ({'; '.join(problems)}); "
-                            "choose the target it was trained on (target=…)")
+        raise EaglelabError(
+            f"{where} was trained for another target ({'; '.join(problems)}); "
+            "choose the target it was trained on (target=…)"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

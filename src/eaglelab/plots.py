@@ -27,26 +27,57 @@ def plot_acceptance(run_dir: Path, title: str) -> Path:
     sim = [r for r in by_k if r["evaluator"] == "simulated"]
     ks = [int(r["k"]) for r in sim]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.4), constrained_layout=True)
-    ax1.plot(ks, [float(r["acceptance_length"]) for r in sim], "o-", color=PALETTE[0],
-             label="simulated (all held-out prompts)")
+    ax1.plot(
+        ks,
+        [float(r["acceptance_length"]) for r in sim],
+        "o-",
+        color=PALETTE[0],
+        label="simulated (all held-out prompts)",
+    )
     if parity := (_read(run_dir / "parity.csv") if (run_dir / "parity.csv").exists() else []):
         n = parity[0]["prompts"]
-        ax1.plot([int(r["k"]) for r in parity], [float(r["tau_vllm"]) for r in parity], "s", color=PALETTE[1],
-                 label=f"vLLM ({n} prompts)", markerfacecolor="none", markersize=8)
-        ax1.plot([int(r["k"]) for r in parity], [float(r["tau_simulated"]) for r in parity], "x", color=PALETTE[1],
-                 label=f"simulated, same {n} prompts")
+        ax1.plot(
+            [int(r["k"]) for r in parity],
+            [float(r["tau_vllm"]) for r in parity],
+            "s",
+            color=PALETTE[1],
+            label=f"vLLM ({n} prompts)",
+            markerfacecolor="none",
+            markersize=8,
+        )
+        ax1.plot(
+            [int(r["k"]) for r in parity],
+            [float(r["tau_simulated"]) for r in parity],
+            "x",
+            color=PALETTE[1],
+            label=f"simulated, same {n} prompts",
+        )
         ax1.legend(frameon=False, fontsize=8)
-    ax1.set(xlabel="draft tokens per round k", ylabel="acceptance length τ (tokens / target step)",
-            title="τ vs k", xticks=ks)
+    ax1.set(
+        xlabel="draft tokens per round k",
+        ylabel="acceptance length τ (tokens / target step)",
+        title="τ vs k",
+        xticks=ks,
+    )
     ax1.set_ylim(bottom=1.0)  # τ >= 1 always: an axis from 1 shows the gain honestly
     ax1.grid(alpha=0.3)
     shown = sorted({ks[0], ks[len(ks) // 2 - 1] if len(ks) > 1 else ks[0], ks[-1]})
     for c, k in zip(PALETTE, shown):
         rows = [r for r in by_pos if int(r["k"]) == k and r["evaluator"] == "simulated"]
-        ax2.plot([int(r["position"]) for r in rows], [float(r["acceptance_rate"]) for r in rows], "o-",
-                 color=c, label=f"k={k}")
-    ax2.set(xlabel="draft position i", ylabel="share of rounds accepting draft i", ylim=(0, 1),
-            title="per-position acceptance (simulated)", xticks=list(range(1, ks[-1] + 1)))
+        ax2.plot(
+            [int(r["position"]) for r in rows],
+            [float(r["acceptance_rate"]) for r in rows],
+            "o-",
+            color=c,
+            label=f"k={k}",
+        )
+    ax2.set(
+        xlabel="draft position i",
+        ylabel="share of rounds accepting draft i",
+        ylim=(0, 1),
+        title="per-position acceptance (simulated)",
+        xticks=list(range(1, ks[-1] + 1)),
+    )
     ax2.grid(alpha=0.3)
     ax2.legend(frameon=False)
     suite = by_k[0]["suite"] if by_k else "?"
@@ -72,13 +103,24 @@ def plot_speedup(run_dir: Path, title: str) -> Path:
         ax1.bar(xs, [float(sel[c]["output_tokens_per_s"]) for c in conc], width, color=color, label=label)
         if method != "none":
             ax2.plot(conc, [float(sel[c]["speedup"]) for c in conc], "o-", color=color, label=label)
-    ax1.set(xlabel="concurrent requests", ylabel="output throughput (tokens/s)", title="decode throughput",
-            xticks=[j + 0.4 - width / 2 for j in range(len(conc))], xticklabels=[str(c) for c in conc])
+    ax1.set(
+        xlabel="concurrent requests",
+        ylabel="output throughput (tokens/s)",
+        title="decode throughput",
+        xticks=[j + 0.4 - width / 2 for j in range(len(conc))],
+        xticklabels=[str(c) for c in conc],
+    )
     ax1.legend(frameon=False, fontsize=8)
     ax1.grid(alpha=0.3, axis="y")
     ax2.axhline(1.0, color="grey", lw=1, ls="--")
-    ax2.set(xlabel="concurrent requests", ylabel="speedup vs no speculation (×)", title="speedup",
-            xscale="log", xticks=conc, xticklabels=[str(c) for c in conc])
+    ax2.set(
+        xlabel="concurrent requests",
+        ylabel="speedup vs no speculation (×)",
+        title="speedup",
+        xscale="log",
+        xticks=conc,
+        xticklabels=[str(c) for c in conc],
+    )
     ax2.legend(frameon=False, fontsize=8)
     ax2.grid(alpha=0.3)
     fig.suptitle(f"{title} — vLLM, greedy", fontsize=10)
@@ -101,13 +143,15 @@ def plot_drift(suite_dir: Path, title: str) -> Path:
     """drift.png: the attention-drift measures per draft depth, and the fc input balance."""
     rows, balance = _read(suite_dir / "drift.csv"), _read(suite_dir / "fc_balance.csv")
     depth = [int(r["depth"]) for r in rows]
-    col = lambda name: [float(r[name]) for r in rows]  # noqa: E731
+    col = lambda name: [float(r[name]) for r in rows]
     fig, axes = plt.subplots(2, 3, figsize=(11, 6), constrained_layout=True)
-    panels = [("hidden_rms", "RMS of the state fed to step j", "hidden-state RMS (‖x‖/√d)"),
-              ("sink_share", "attention on the first token", "share of attention"),
-              ("recent_share", "attention on the most recent keys", "share of attention"),
-              ("context_share", "attention on verified context", "share of attention"),
-              ("entropy", "attention entropy", "entropy (nats)")]
+    panels = [
+        ("hidden_rms", "RMS of the state fed to step j", "hidden-state RMS (‖x‖/√d)"),
+        ("sink_share", "attention on the first token", "share of attention"),
+        ("recent_share", "attention on the most recent keys", "share of attention"),
+        ("context_share", "attention on verified context", "share of attention"),
+        ("entropy", "attention entropy", "entropy (nats)"),
+    ]
     for ax, (name, label, ylabel) in zip(axes.flat, panels):
         ax.plot(depth, col(name), "o-", color=PALETTE[0])
         ax.set(xlabel="draft depth j", ylabel=ylabel, title=label, xticks=depth)
@@ -118,8 +162,13 @@ def plot_drift(suite_dir: Path, title: str) -> Path:
     layers = [r["aux_layer"] for r in balance]
     ax.bar(range(len(layers)), [float(r["input_share"]) for r in balance], color=PALETTE[1])
     ax.axhline(1 / len(layers), color="grey", lw=1, ls="--", label="equal shares")
-    ax.set(xticks=range(len(layers)), xticklabels=[f"layer {x}" for x in layers], ylim=(0, 1),
-           ylabel="share of ‖fc input‖²", title="fc input balance per aux layer")
+    ax.set(
+        xticks=range(len(layers)),
+        xticklabels=[f"layer {x}" for x in layers],
+        ylim=(0, 1),
+        ylabel="share of ‖fc input‖²",
+        title="fc input balance per aux layer",
+    )
     ax.legend(frameon=False, fontsize=8)
     fig.suptitle(f"{title} — attention drift per draft depth (held-out prompts)", fontsize=10)
     return save_figure(fig, suite_dir / "drift.png")
@@ -133,8 +182,13 @@ def plot_extrapolation(run_dir: Path, suite_dir: Path, title: str) -> Path:
     for evaluator, color, marker in (("simulated", PALETTE[0], "o-"), ("vllm", PALETTE[1], "s--")):
         sel = [r for r in rows if r["evaluator"] == evaluator]
         if sel:
-            ax1.plot([int(r["k"]) for r in sel], [float(r["relative_to_ttt"]) for r in sel], marker, color=color,
-                     label=evaluator)
+            ax1.plot(
+                [int(r["k"]) for r in sel],
+                [float(r["relative_to_ttt"]) for r in sel],
+                marker,
+                color=color,
+                label=evaluator,
+            )
     for ax in (ax1, ax2):
         ax.axvline(ttt, color="grey", lw=1, ls=":", label=f"trained depth (ttt_steps={ttt})")
         ax.grid(alpha=0.3)
@@ -145,8 +199,13 @@ def plot_extrapolation(run_dir: Path, suite_dir: Path, title: str) -> Path:
     deepest = max(int(r["k"]) for r in by_pos)
     sel = [r for r in by_pos if int(r["k"]) == deepest]
     ax2.plot([int(r["position"]) for r in sel], [float(r["acceptance_rate"]) for r in sel], "o-", color=PALETTE[2])
-    ax2.set(xlabel="draft position i", ylabel="share of rounds accepting draft i", ylim=(0, 1),
-            title=f"per-position acceptance at k={deepest} (simulated)", xticks=range(1, deepest + 1))
+    ax2.set(
+        xlabel="draft position i",
+        ylabel="share of rounds accepting draft i",
+        ylim=(0, 1),
+        title=f"per-position acceptance at k={deepest} (simulated)",
+        xticks=range(1, deepest + 1),
+    )
     fig.suptitle(f"{title} — train→inference extrapolation", fontsize=10)
     return save_figure(fig, suite_dir / "extrapolation.png")
 
@@ -171,17 +230,24 @@ def plot_suite(suite_dir: Path, suite: str, title: str) -> Path:
     if suite == "long_context":
         for (evaluator, k), color in zip(series, PALETTE):
             sel = [r for r in rows if (r["evaluator"], int(r["k"])) == (evaluator, k)]
-            ax.plot([float(r["prompt_tokens"]) for r in sel], [float(r["acceptance_length"]) for r in sel],
-                    "o-" if evaluator == "simulated" else "s--", color=color, label=f"{evaluator}, k={k}")
-        ax.set(xscale="log", xlabel="prompt length (tokens)", ylabel="acceptance length τ",
-               title="τ vs context length")
+            ax.plot(
+                [float(r["prompt_tokens"]) for r in sel],
+                [float(r["acceptance_length"]) for r in sel],
+                "o-" if evaluator == "simulated" else "s--",
+                color=color,
+                label=f"{evaluator}, k={k}",
+            )
+        ax.set(xscale="log", xlabel="prompt length (tokens)", ylabel="acceptance length τ", title="τ vs context length")
         ticks = sorted({round(float(r["prompt_tokens"])) for r in rows})
         ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.minorticks_off()
     else:
         by_series = {s: {r["condition"]: r for r in rows if (r["evaluator"], int(r["k"])) == s} for s in series}
-        template_bars(ax, list(dict.fromkeys(r["condition"] for r in rows)),
-                      [(f"{evaluator}, k={k}", by_series[(evaluator, k)]) for evaluator, k in series])
+        template_bars(
+            ax,
+            list(dict.fromkeys(r["condition"] for r in rows)),
+            [(f"{evaluator}, k={k}", by_series[(evaluator, k)]) for evaluator, k in series],
+        )
     ax.set_ylim(bottom=1.0)
     ax.grid(alpha=0.3)
     ax.legend(frameon=False, fontsize=8)

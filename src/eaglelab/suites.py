@@ -1,4 +1,5 @@
-"""Evaluation suites: where EAGLE-3 is said to degrade and EAGLE-3.1 to hold (FIELD_NOTES §3).
+"""Evaluation suites: where EAGLE-3 is said to degrade and EAGLE-3.1 to hold
+(docs/conventions.md#what-eagle-31-claims).
 
     extrapolation  τ and per-position acceptance past the trained depth, k = 1..max(8, 2·ttt+2)
     long_context   τ on prompts of 0.5k..8k tokens (standard-library source, a request at the end)
@@ -15,15 +16,16 @@ Results go to `run_dir/suites/` (CSV + PNG/PDF).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from eaglelab.config import RunConfig, max_k, suite_ks
-from eaglelab.data.long_context import long_context_prompts
-from eaglelab.data.prepare import prepare_features
-from eaglelab.data.templates import renderer
+from eaglelab.data.long_context import MODULES, long_context_prompts
+from eaglelab.data.prepare import CaptureSettings, prepare_features
+from eaglelab.data.templates import CONDITIONS, renderer
 from eaglelab.drift import drift_diagnostics
-from eaglelab.evaluate import counts_from, evaluate_simulated, evenly_spaced
+from eaglelab.errors import ConfigError
+from eaglelab.evaluate import Serving, counts_from, evaluate_simulated, evenly_spaced
 from eaglelab.io import write_csv
 
 log = logging.getLogger("eaglelab")
@@ -39,7 +41,26 @@ class SuiteInputs:
     seconds: float = 0.0
 
 
-def prepare_suites(cfg: RunConfig, target, eval_prompts: list, common: dict) -> SuiteInputs:
+def check_suites(cfg: RunConfig) -> None:
+    """The suite settings that need the suites' own tables (template conditions, source modules); run before
+    any work starts."""
+    s = cfg.eval.suites
+    if s.long_context.num_prompts > len(MODULES):
+        raise ConfigError(
+            f"eval.suites.long_context.num_prompts={s.long_context.num_prompts}: at most "
+            f"{len(MODULES)} distinct source modules are available"
+        )
+    if len(set(s.templates.conditions)) < len(s.templates.conditions):
+        raise ConfigError(f"eval.suites.templates.conditions lists a condition twice: {s.templates.conditions}")
+    unknown = [c for c in s.templates.conditions if c not in CONDITIONS]
+    if unknown or "native" not in s.templates.conditions:
+        raise ConfigError(
+            f"eval.suites.templates.conditions: {unknown or 'native missing'}; choose from "
+            f"{', '.join(CONDITIONS)} (native is the reference every ratio is taken against)"
+        )
+
+
+def prepare_suites(cfg: RunConfig, target, eval_prompts: list, capture: CaptureSettings) -> SuiteInputs:
     """Regenerate and capture the long-context and template prompts (cached like training data)."""
     s, out = cfg.eval.suites, SuiteInputs()
     native = renderer("native", cfg.data.system_prompt)
@@ -53,12 +74,19 @@ def prepare_suites(cfg: RunConfig, target, eval_prompts: list, common: dict) -> 
                 continue
             done.add(min(length, room))
             if length > room:
-                log.warning("long_context: %d-token prompts clipped to %d (the target's window is %d)",
-                            length, room, target.max_context)
+                log.warning(
+                    "long_context: %d-token prompts clipped to %d (the target's window is %d)",
+                    length,
+                    room,
+                    target.max_context,
+                )
             prompts = long_context_prompts(target.tokenizer, native, min(length, room), lc.num_prompts)
+            settings = replace(
+                capture, max_length=target.max_context, batch_size=min(capture.batch_size, lc.num_prompts)
+            )
             feats, stats = prepare_features(
-                target, prompts, name=f"long_context-{length}", max_new_tokens=lc.max_new_tokens,
-                **{**common, "max_length": target.max_context, "batch_size": min(common["batch_size"], lc.num_prompts)})
+                target, prompts, name=f"long_context-{length}", max_new_tokens=lc.max_new_tokens, **asdict(settings)
+            )
             out.long_context[length] = feats
             out.seconds += sum(stats.seconds.values())
     if s.templates.enabled:
@@ -73,9 +101,14 @@ def prepare_suites(cfg: RunConfig, target, eval_prompts: list, common: dict) -> 
                 out.same_as[condition] = twin
                 continue
             rendered[condition] = ids
-            feats, stats = prepare_features(target, prompts, name=f"templates-{condition}",
-                                            max_new_tokens=tp.max_new_tokens, render=render,
-                                            **{**common, "max_length": target.max_context})
+            feats, stats = prepare_features(
+                target,
+                prompts,
+                name=f"templates-{condition}",
+                max_new_tokens=tp.max_new_tokens,
+                render=render,
+                **asdict(replace(capture, max_length=target.max_context)),
+            )
             out.templates[condition] = feats
             out.seconds += sum(stats.seconds.values())
     return out
@@ -102,24 +135,41 @@ def _rows(suite: str, groups: dict[str, object], drafter, cfg: RunConfig, vllm_r
                 same = sum(o == r for o, r in zip(row["outputs"], _responses(feats))) / len(feats)
                 measured.append(("vllm", k, counts_from(row), same))
         for evaluator, k, counts, same in measured:
-            rows.append({"suite": suite, "condition": condition, "evaluator": evaluator, "k": k,
-                         "prompts": len(feats), "prompt_tokens": round(tokens, 1),
-                         "acceptance_length": counts.acceptance_length, "drafts": counts.drafts,
-                         "accepted": counts.accepted, "same_output_share": same})
+            rows.append(
+                {
+                    "suite": suite,
+                    "condition": condition,
+                    "evaluator": evaluator,
+                    "k": k,
+                    "prompts": len(feats),
+                    "prompt_tokens": round(tokens, 1),
+                    "acceptance_length": counts.acceptance_length,
+                    "drafts": counts.drafts,
+                    "accepted": counts.accepted,
+                    "same_output_share": same,
+                }
+            )
     return rows
 
 
 def _vllm_groups(inputs: SuiteInputs, cfg: RunConfig) -> dict:
     s = cfg.eval.suites
-    groups = {f"long_context/{n}": {"prompts": _prompts(f), "max_tokens": s.long_context.max_new_tokens}
-              for n, f in inputs.long_context.items()}
-    groups.update({f"templates/{c}": {"prompts": _prompts(f), "max_tokens": s.templates.max_new_tokens}
-                   for c, f in inputs.templates.items()})
+    groups = {
+        f"long_context/{n}": {"prompts": _prompts(f), "max_tokens": s.long_context.max_new_tokens}
+        for n, f in inputs.long_context.items()
+    }
+    groups.update(
+        {
+            f"templates/{c}": {"prompts": _prompts(f), "max_tokens": s.templates.max_new_tokens}
+            for c, f in inputs.templates.items()
+        }
+    )
     return groups
 
 
-def evaluate_suites(cfg: RunConfig, drafter, inputs: SuiteInputs, eval_feats, by_k: list[dict], run_dir: Path,
-                    serving: dict | None) -> dict:
+def evaluate_suites(
+    cfg: RunConfig, drafter, inputs: SuiteInputs, eval_feats, by_k: list[dict], run_dir: Path, serving: Serving | None
+) -> dict:
     """Run the enabled suites on `drafter`; `serving` (target path, window) when vLLM should measure too.
     Returns flat metrics; tables and plots are written to run_dir/suites/."""
     from eaglelab.plots import plot_drift, plot_extrapolation, plot_suite
@@ -127,8 +177,9 @@ def evaluate_suites(cfg: RunConfig, drafter, inputs: SuiteInputs, eval_feats, by
     s, out_dir, metrics = cfg.eval.suites, run_dir / "suites", {}
     if s.drift.enabled:
         subset = eval_feats.select(evenly_spaced(len(eval_feats), s.drift.num_prompts))
-        per_depth, balance = drift_diagnostics(drafter, subset, max_k(cfg), s.drift.recent_tokens,
-                                               batch_size=cfg.train.batch_size)
+        per_depth, balance = drift_diagnostics(
+            drafter, subset, max_k(cfg), s.drift.recent_tokens, batch_size=cfg.train.batch_size
+        )
         write_csv(out_dir / "drift.csv", per_depth)
         write_csv(out_dir / "fc_balance.csv", balance)
         for row in per_depth:
@@ -142,8 +193,16 @@ def evaluate_suites(cfg: RunConfig, drafter, inputs: SuiteInputs, eval_feats, by
             tau = {int(r["k"]): r["acceptance_length"] for r in by_k if r["evaluator"] == evaluator}
             if ttt not in tau:
                 continue
-            rows += [{"evaluator": evaluator, "k": k, "ttt_steps": ttt, "acceptance_length": t,
-                      "relative_to_ttt": t / tau[ttt]} for k, t in sorted(tau.items())]
+            rows += [
+                {
+                    "evaluator": evaluator,
+                    "k": k,
+                    "ttt_steps": ttt,
+                    "acceptance_length": t,
+                    "relative_to_ttt": t / tau[ttt],
+                }
+                for k, t in sorted(tau.items())
+            ]
             if 2 * ttt in tau:
                 metrics[f"extrapolation/{evaluator}/tau_ratio@k{2 * ttt}_vs_k{ttt}"] = tau[2 * ttt] / tau[ttt]
         write_csv(out_dir / "extrapolation.csv", rows)
@@ -157,10 +216,19 @@ def evaluate_suites(cfg: RunConfig, drafter, inputs: SuiteInputs, eval_feats, by
         from eaglelab.vllm_engine import run_engine
 
         v = cfg.eval.vllm
-        job = {"mode": "evaluate", "target": str(serving["path"]), "drafter": str(run_dir / "drafter"),
-               "groups": _vllm_groups(inputs, cfg), "ks": suite_ks(cfg), "throughput_ks": [], "concurrencies": [],
-               "dtype": cfg.target.dtype, "max_model_len": serving["max_model_len"],
-               "enforce_eager": v.enforce_eager, "engines": len(suite_ks(cfg))}
+        job = {
+            "mode": "evaluate",
+            "target": str(serving.path),
+            "drafter": str(run_dir / "drafter"),
+            "groups": _vllm_groups(inputs, cfg),
+            "ks": suite_ks(cfg),
+            "throughput_ks": [],
+            "concurrencies": [],
+            "dtype": cfg.target.dtype,
+            "max_model_len": serving.max_model_len,
+            "enforce_eager": v.enforce_eager,
+            "engines": len(suite_ks(cfg)),
+        }
         result = run_engine(job, out_dir / "vllm", timeout=v.timeout_s, desc="suites (vLLM)")
         vllm_rows = {(r["group"], r["k"]): r for r in result["acceptance"]}
     for suite, groups in (("long_context", inputs.long_context), ("templates", inputs.templates)):
@@ -170,8 +238,12 @@ def evaluate_suites(cfg: RunConfig, drafter, inputs: SuiteInputs, eval_feats, by
         if suite == "templates":
             for r in rows:
                 r["same_as"] = ""
-            rows += [{**r, "condition": cond, "same_as": ref}  # measured once, reported under both names
-                     for cond, ref in inputs.same_as.items() for r in rows if r["condition"] == ref]
+            rows += [
+                {**r, "condition": cond, "same_as": ref}  # measured once, reported under both names
+                for cond, ref in inputs.same_as.items()
+                for r in rows
+                if r["condition"] == ref
+            ]
             native = {(r["evaluator"], r["k"]): r["acceptance_length"] for r in rows if r["condition"] == "native"}
             for r in rows:
                 r["ratio_to_native"] = r["acceptance_length"] / native[(r["evaluator"], r["k"])]
@@ -183,4 +255,3 @@ def evaluate_suites(cfg: RunConfig, drafter, inputs: SuiteInputs, eval_feats, by
                 metrics[f"{suite}/{r['evaluator']}/ratio_to_native@{at}"] = r["ratio_to_native"]
         plot_suite(out_dir, suite, cfg.variant)
     return metrics
-

@@ -40,8 +40,10 @@ def objective(cfg, run_dir: Path) -> float | list[float]:
     metrics = json.loads((Path(run_dir) / "metrics.json").read_text())
     missing = [k for k in cfg.objective if k not in metrics]
     if missing:
-        raise EaglelabError(f"objective {missing[0]!r} is not in {run_dir}/metrics.json (e.g. val/ metrics need "
-                            "data.val_fraction > 0); name metrics.json keys in objective=[...]")
+        raise EaglelabError(
+            f"objective {missing[0]!r} is not in {run_dir}/metrics.json (e.g. val/ metrics need "
+            "data.val_fraction > 0); name metrics.json keys in objective=[...]"
+        )
     values = [float(metrics[k]) for k in cfg.objective]
     return values[0] if len(values) == 1 else values
 
@@ -84,22 +86,31 @@ def check_sweep_params(config: DictConfig) -> None:
 
     from eaglelab.config import to_run_config
     from eaglelab.errors import EaglelabError
+    from eaglelab.suites import check_suites
 
     overrides = sweep_overrides(config)
-    first = [o.input_line if o.is_delete() or not o.is_sweep_override() else f"{o.get_key_element()}={_values(o)[0]}"
-             for o in overrides]
-    probes = [first] + [first[:i] + [f"{o.get_key_element()}={v}"] + first[i + 1:]
-                        for i, o in enumerate(overrides) if o.is_sweep_override() for v in _values(o)[1:]]
+    first = [
+        o.input_line if o.is_delete() or not o.is_sweep_override() else f"{o.get_key_element()}={_values(o)[0]}"
+        for o in overrides
+    ]
+    probes = [first] + [
+        first[:i] + [f"{o.get_key_element()}={v}"] + first[i + 1 :]
+        for i, o in enumerate(overrides)
+        if o.is_sweep_override()
+        for v in _values(o)[1:]
+    ]
     for probe in probes:
         try:
             cfg = compose(config.hydra.job.config_name, overrides=probe)
         except HydraException as e:
             line = str(e).splitlines()[0]
             bad = next((o.get_key_element() for o in overrides if o.get_key_element().lstrip("+~") in line), None)
-            _fail(f"{'sweep parameter ' + repr(bad) + ': ' if bad else ''}{line} — list the keys with "
-                  "`python src/run.py --cfg job` (a new key needs a leading +)")
+            _fail(
+                f"{'sweep parameter ' + repr(bad) + ': ' if bad else ''}{line} — list the keys with "
+                "`python src/run.py --cfg job` (a new key needs a leading +)"
+            )
         try:
-            to_run_config(cfg)
+            check_suites(to_run_config(cfg))
         except EaglelabError as e:
             _fail(f"a trial of this sweep would fail: {e}")
 
@@ -109,30 +120,38 @@ def check_slurm(config: DictConfig) -> None:
     if not launcher.endswith("SlurmLauncher"):
         return
     if shutil.which("sinfo") is None:
-        _fail("hydra/launcher=slurm needs Slurm's client commands (sinfo, sbatch) on PATH; on a machine without "
-              "Slurm use hydra/launcher=local (slurm/README.md starts a throw-away cluster for testing)")
+        _fail(
+            "hydra/launcher=slurm needs Slurm's client commands (sinfo, sbatch) on PATH; on a machine without "
+            "Slurm use hydra/launcher=local (slurm/README.md starts a throw-away cluster for testing)"
+        )
     proc = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        _fail(f"Slurm does not answer (sinfo: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else '?'})"
-              "; check SLURM_CONF or the controller")
+        _fail(
+            f"Slurm does not answer (sinfo: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else '?'})"
+            "; check SLURM_CONF or the controller"
+        )
     partitions = [p.rstrip("*") for p in proc.stdout.split()]
     wanted = OmegaConf.select(config, "hydra.launcher.partition")
     if wanted and wanted not in partitions:
-        _fail(f"Slurm partition {wanted!r} does not exist; set hydra.launcher.partition to one of: "
-              f"{', '.join(partitions) or '(none)'}")
+        _fail(
+            f"Slurm partition {wanted!r} does not exist; set hydra.launcher.partition to one of: "
+            f"{', '.join(partitions) or '(none)'}"
+        )
 
 
 def check_storage(config: DictConfig) -> None:
     url = OmegaConf.select(config, "hydra.sweeper.storage")
     if not url or not str(url).startswith("sqlite:///"):
         return  # another RDB: its server answers when the study opens (before any trial is asked)
-    path = Path(str(url)[len("sqlite:///"):]).expanduser()
+    path = Path(str(url)[len("sqlite:///") :]).expanduser()
     results = Path(str(config.paths.results_dir)).expanduser()
     if path.parent.resolve() == results.resolve():
         results.mkdir(parents=True, exist_ok=True)  # the default location: the results folder is ours to create
     elif not path.parent.is_dir():
-        _fail(f"Optuna storage directory {path.parent} does not exist; create it or set "
-              f"hydra.sweeper.storage=sqlite:///PATH/study.db (or any RDB URL)")
+        _fail(
+            f"Optuna storage directory {path.parent} does not exist; create it or set "
+            f"hydra.sweeper.storage=sqlite:///PATH/study.db (or any RDB URL)"
+        )
 
 
 def check_writable(directory: Path) -> None:
@@ -142,8 +161,10 @@ def check_writable(directory: Path) -> None:
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):
             pass
     except OSError as e:
-        _fail(f"cannot write to {directory} ({e.strerror or type(e).__name__}); set paths.results_dir (or "
-              "EAGLELAB_RESULTS_DIR) to a writable folder")
+        _fail(
+            f"cannot write to {directory} ({e.strerror or type(e).__name__}); set paths.results_dir (or "
+            "EAGLELAB_RESULTS_DIR) to a writable folder"
+        )
 
 
 try:  # Hydra instantiates the callback named in conf/config.yaml
@@ -182,22 +203,35 @@ def open_storage(url: str, heartbeat_interval: int, grace_period: int, max_retry
             from optuna.storages._rdb import models
 
             stale = super()._get_stale_trial_ids(study_id)
-            utc_now = datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None)  # stored as naive UTC
+            utc_now = datetime.datetime.now(datetime.UTC).replace(tzinfo=None)  # stored as naive UTC
             cutoff = utc_now - datetime.timedelta(seconds=grace_period)
             with sqlalchemy.orm.Session(self.engine) as session:
-                silent = (session.query(models.TrialModel.trial_id)
-                          .filter(models.TrialModel.study_id == study_id,
-                                  models.TrialModel.state == optuna.trial.TrialState.RUNNING,
-                                  models.TrialModel._datetime_start_utc < cutoff,
-                                  ~models.TrialModel.heartbeats.any()).all())
+                silent = (
+                    session.query(models.TrialModel.trial_id)
+                    .filter(
+                        models.TrialModel.study_id == study_id,
+                        models.TrialModel.state == optuna.trial.TrialState.RUNNING,
+                        models.TrialModel._datetime_start_utc < cutoff,
+                        ~models.TrialModel.heartbeats.any(),
+                    )
+                    .all()
+                )
             return stale + [trial_id for (trial_id,) in silent]
 
     engine = {"connect_args": {"timeout": 120}} if url.startswith("sqlite") else {}  # writers wait their turn
-    lock = (file_lock(Path(url[len("sqlite:///"):] + ".lock")) if url.startswith("sqlite:///")
-            else contextlib.nullcontext())
+    lock = (
+        file_lock(Path(url[len("sqlite:///") :] + ".lock"))
+        if url.startswith("sqlite:///")
+        else contextlib.nullcontext()
+    )
     with lock:  # several processes creating the schema at once would race
-        return Storage(url, engine_kwargs=engine, heartbeat_interval=heartbeat_interval, grace_period=grace_period,
-                       heartbeat_stale_trial_callback=RetryFailedTrialCallback(max_retry=max_retry)), optuna
+        return Storage(
+            url,
+            engine_kwargs=engine,
+            heartbeat_interval=heartbeat_interval,
+            grace_period=grace_period,
+            heartbeat_stale_trial_callback=RetryFailedTrialCallback(max_retry=max_retry),
+        ), optuna
 
 
 @contextlib.contextmanager
@@ -210,7 +244,7 @@ def heartbeats(storage, trials, interval: float):
             for t in trials:
                 try:
                     storage.record_heartbeat(t._trial_id)
-                except Exception as e:  # noqa: BLE001 — a busy storage: say so, keep beating
+                except Exception as e:  # a busy storage: say so, keep beating
                     log.warning("heartbeat of trial %d not recorded (%s)", t.number, type(e).__name__)
 
     thread = threading.Thread(target=beat, daemon=True, name="optuna-heartbeat")
@@ -248,10 +282,16 @@ def run_study(impl, arguments: list[str], heartbeat_interval: int, grace_period:
     warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     State = optuna.trial.TrialState
-    study = optuna.create_study(study_name=impl.study_name, storage=storage, sampler=impl.sampler,
-                                directions=directions, load_if_exists=True)
-    log.info("study %s in %s: %d finished trials wanted, %d jobs at a time", study.study_name, impl.storage,
-             impl.n_trials, impl.n_jobs)
+    study = optuna.create_study(
+        study_name=impl.study_name, storage=storage, sampler=impl.sampler, directions=directions, load_if_exists=True
+    )
+    log.info(
+        "study %s in %s: %d finished trials wanted, %d jobs at a time",
+        study.study_name,
+        impl.storage,
+        impl.n_trials,
+        impl.n_jobs,
+    )
     failures, launched = 0, 0
     while True:
         optuna.storages.fail_stale_trials(study)  # dead processes' trials: FAIL, and enqueued again
@@ -286,26 +326,44 @@ def run_study(impl, arguments: list[str], heartbeat_interval: int, grace_period:
                 value = ret.return_value  # raises the trial's exception if it failed
                 values = [float(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
                 if len(values) != len(directions):
-                    raise ValueError(f"the trial returned {len(values)} values for {len(directions)} directions; "
-                                     "objective=[...] must name one metric per direction")
+                    raise ValueError(
+                        f"the trial returned {len(values)} values for {len(directions)} directions; "
+                        "objective=[...] must name one metric per direction"
+                    )
                 study.tell(trial, values=values)
             except optuna.exceptions.UpdateFinishedTrialError:  # heartbeats came too late (a storage stall):
-                log.warning("trial %d was marked failed by another process while it ran; its retry stands in "
-                            "for it (raise hydra.sweeper.grace_period)", trial.number)
-            except Exception as e:  # noqa: BLE001 — any trial error is the trial's failure, recorded
+                log.warning(
+                    "trial %d was marked failed by another process while it ran; its retry stands in "
+                    "for it (raise hydra.sweeper.grace_period)",
+                    trial.number,
+                )
+            except Exception as e:  # any trial error is the trial's failure, recorded
                 failures += 1
                 log.warning("trial %d failed: %s", trial.number, str(e).splitlines()[0] if str(e) else repr(e))
                 with contextlib.suppress(RuntimeError):  # already failed by a heartbeat check
                     study.tell(trial, state=State.FAIL)
         if launched and failures / launched > impl.max_failure_rate:
-            raise RuntimeError(f"{failures} of {launched} trials failed (hydra.sweeper.max_failure_rate="
-                               f"{impl.max_failure_rate}); see the trials' run.json and logs")
+            raise RuntimeError(
+                f"{failures} of {launched} trials failed (hydra.sweeper.max_failure_rate="
+                f"{impl.max_failure_rate}); see the trials' run.json and logs"
+            )
     finished = study.get_trials(deepcopy=False, states=(State.COMPLETE,))
-    summary = ({"best_params": study.best_trial.params, "best_value": study.best_trial.value}
-               if len(directions) == 1 else
-               {"solutions": [{"params": t.params, "values": t.values} for t in study.best_trials]})
+    summary = (
+        {"best_params": study.best_trial.params, "best_value": study.best_trial.value}
+        if len(directions) == 1
+        else {"solutions": [{"params": t.params, "values": t.values} for t in study.best_trials]}
+    )
     Path(str(impl.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(OmegaConf.create({"name": "optuna", "study": study.study_name, "storage": impl.storage,
-                                     "finished_trials": len(finished), **summary}),
-                   Path(str(impl.config.hydra.sweep.dir)) / "optimization_results.yaml")
+    OmegaConf.save(
+        OmegaConf.create(
+            {
+                "name": "optuna",
+                "study": study.study_name,
+                "storage": impl.storage,
+                "finished_trials": len(finished),
+                **summary,
+            }
+        ),
+        Path(str(impl.config.hydra.sweep.dir)) / "optimization_results.yaml",
+    )
     log.info("study %s: %d finished trials; %s", study.study_name, len(finished), summary)

@@ -25,32 +25,66 @@ from pathlib import Path
 from eaglelab.config import RunConfig
 from eaglelab.errors import first_line
 from eaglelab.io import atomic_write_text
+from eaglelab.rundir import is_primary
 
 log = logging.getLogger("eaglelab")
 
 # Result tables and figures logged to W&B (paths relative to the run directory; absent ones are skipped).
-TABLES = ["acceptance.csv", "per_position.csv", "parity.csv", "throughput.csv", "suites/extrapolation.csv",
-          "suites/long_context.csv", "suites/templates.csv", "suites/drift.csv", "suites/fc_balance.csv"]
-FIGURES = ["acceptance.png", "speedup.png", "suites/extrapolation.png", "suites/long_context.png",
-           "suites/templates.png", "suites/drift.png"]
+TABLES = [
+    "acceptance.csv",
+    "per_position.csv",
+    "parity.csv",
+    "throughput.csv",
+    "suites/extrapolation.csv",
+    "suites/long_context.csv",
+    "suites/templates.csv",
+    "suites/drift.csv",
+    "suites/fc_balance.csv",
+]
+FIGURES = [
+    "acceptance.png",
+    "speedup.png",
+    "suites/extrapolation.png",
+    "suites/long_context.png",
+    "suites/templates.png",
+    "suites/drift.png",
+]
 DRIFT_MEASURES = ["hidden_rms", "sink_share", "context_share", "draft_share", "recent_share", "entropy"]
 
 
 def tags(cfg: RunConfig) -> list[str]:
     """Variant, seed, trained depth, target and the suites that ran: what a W&B filter selects on."""
-    suites = [name for name in ("extrapolation", "long_context", "templates", "drift")
-              if getattr(cfg.eval.suites, name).enabled]
-    return [cfg.variant, f"seed{cfg.train.seed}", f"ttt{cfg.train.ttt_steps}", f"target:{cfg.target.kind}",
-            *(f"suite:{s}" for s in suites), *(["evaluation-only"] if cfg.checkpoint else [])]
+    suites = [
+        name
+        for name in ("extrapolation", "long_context", "templates", "drift")
+        if getattr(cfg.eval.suites, name).enabled
+    ]
+    return [
+        cfg.variant,
+        f"seed{cfg.train.seed}",
+        f"ttt{cfg.train.ttt_steps}",
+        f"target:{cfg.target.kind}",
+        *(f"suite:{s}" for s in suites),
+        *(["evaluation-only"] if cfg.checkpoint else []),
+    ]
 
 
 def _init_kwargs(cfg: RunConfig, run_dir: Path) -> dict:
     id_file = run_dir / "wandb" / "run_id"
     if not id_file.exists():
         atomic_write_text(id_file, os.urandom(8).hex() + "\n")
-    return dict(project=cfg.logger.project, entity=cfg.logger.entity, group=cfg.logger.group,
-                job_type="evaluate" if cfg.checkpoint else "train", name=run_dir.name, tags=tags(cfg),
-                id=id_file.read_text().strip(), resume="allow", dir=str(run_dir), config=asdict(cfg))
+    return dict(
+        project=cfg.logger.project,
+        entity=cfg.logger.entity,
+        group=cfg.logger.group,
+        job_type="evaluate" if cfg.checkpoint else "train",
+        name=run_dir.name,
+        tags=tags(cfg),
+        id=id_file.read_text().strip(),
+        resume="allow",
+        dir=str(run_dir),
+        config=asdict(cfg),
+    )
 
 
 def start_run(cfg: RunConfig, run_dir: Path):
@@ -64,14 +98,19 @@ def start_run(cfg: RunConfig, run_dir: Path):
         wandb.run.finish(exit_code=1)  # another trial's run, left open by a failure: not this run's to log into
     os.environ.setdefault("WANDB_SILENT", "true")
     try:
-        return wandb.init(**kwargs, mode=cfg.logger.mode,
-                          settings=wandb.Settings(init_timeout=cfg.logger.init_timeout_s))
-    except Exception as e:  # noqa: BLE001  no network, no login, server down: keep the log, upload later
+        return wandb.init(
+            **kwargs, mode=cfg.logger.mode, settings=wandb.Settings(init_timeout=cfg.logger.init_timeout_s)
+        )
+    except Exception as e:  # no network, no login, server down: keep the log, upload later
         if cfg.logger.mode != "online":
             raise
-        log.warning("W&B online logging unavailable (%s: %s): logging offline instead; upload later with "
-                    "`wandb sync %s/offline-run-*`", type(e).__name__, first_line(e),
-                    run_dir / "wandb")
+        log.warning(
+            "W&B online logging unavailable (%s: %s): logging offline instead; upload later with "
+            "`wandb sync %s/offline-run-*`",
+            type(e).__name__,
+            first_line(e),
+            run_dir / "wandb",
+        )
         wandb.teardown()  # the failed online attempt still holds the run id in W&B's service process
         return wandb.init(**kwargs, mode="offline")
 
@@ -85,6 +124,18 @@ def training_logger(cfg: RunConfig, run_dir: Path):
     for family in ("train/*", "val/*", "epoch"):  # training curves against the optimizer step
         run.define_metric(family, step_metric="trainer/global_step")
     return WandbLogger(experiment=run, save_dir=str(run_dir))
+
+
+def training_loggers(cfg: RunConfig, run_dir: Path) -> list | bool:
+    """Lightning's loggers for the train stage: the CSV log, and W&B (process 0 only) with `logger=wandb`."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    if cfg.logger.kind == "none":
+        return False
+    loggers = [CSVLogger(save_dir=str(run_dir), name="logs", version="")]
+    if cfg.logger.kind == "wandb" and is_primary():  # only process 0 logs to W&B
+        loggers.append(training_logger(cfg, run_dir))
+    return loggers
 
 
 def _rows(path: Path) -> list[dict]:
@@ -122,9 +173,11 @@ def log_results(cfg: RunConfig, run_dir: Path, metrics: dict) -> None:
 def _log_results(run, cfg: RunConfig, run_dir: Path, metrics: dict) -> None:
     import wandb
 
-    for x, ys in (("by_k/k", ["acceptance_length", "acceptance_length_vllm", "relative_to_ttt"]),
-                  ("by_length/prompt_tokens", ["acceptance_length"]),
-                  ("by_depth/depth", DRIFT_MEASURES)):
+    for x, ys in (
+        ("by_k/k", ["acceptance_length", "acceptance_length_vllm", "relative_to_ttt"]),
+        ("by_length/prompt_tokens", ["acceptance_length"]),
+        ("by_depth/depth", DRIFT_MEASURES),
+    ):
         run.define_metric(x, hidden=False)
         for y in ys:
             run.define_metric(f"{x.split('/')[0]}/{y}", step_metric=x)
@@ -143,8 +196,12 @@ def _log_results(run, cfg: RunConfig, run_dir: Path, metrics: dict) -> None:
     if (run_dir / "suites/long_context.csv").exists():  # the simulated evaluator at the trained depth
         for r in _rows(run_dir / "suites/long_context.csv"):
             if r["evaluator"] == "simulated" and int(r["k"]) == ttt:
-                run.log({"by_length/prompt_tokens": float(r["prompt_tokens"]),  # measured (clipped) length
-                         "by_length/acceptance_length": float(r["acceptance_length"])})
+                run.log(
+                    {
+                        "by_length/prompt_tokens": float(r["prompt_tokens"]),  # measured (clipped) length
+                        "by_length/acceptance_length": float(r["acceptance_length"]),
+                    }
+                )
     if (run_dir / "suites/drift.csv").exists():
         for r in _rows(run_dir / "suites/drift.csv"):
             run.log({"by_depth/depth": int(r["depth"]), **{f"by_depth/{m}": float(r[m]) for m in DRIFT_MEASURES}})
@@ -155,7 +212,8 @@ def _log_results(run, cfg: RunConfig, run_dir: Path, metrics: dict) -> None:
             rows = _rows(run_dir / name)
             columns = list(rows[0]) if rows else []
             media[f"tables/{name.removesuffix('.csv')}"] = wandb.Table(
-                columns=columns, data=[[_number(r[c]) for c in columns] for r in rows])
+                columns=columns, data=[[_number(r[c]) for c in columns] for r in rows]
+            )
     for name in FIGURES:
         if (run_dir / name).exists():
             media[f"figures/{name.removesuffix('.png')}"] = wandb.Image(str(run_dir / name))

@@ -11,7 +11,6 @@ target's distribution (restricted to the draft vocab) to the drafter's.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
@@ -19,37 +18,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Sampler
 
-from eaglelab.acceptance import AcceptanceCounts, simulate
+from eaglelab.acceptance import AcceptanceCounts
+from eaglelab.batches import Batch, acceptance_counts, shift
 from eaglelab.config import TrainConfig
-from eaglelab.data.prepare import from_bits
 from eaglelab.drafter import Eagle3Config, Eagle3Drafter
 from eaglelab.errors import TrainingError
 from eaglelab.io import atomic_file
-
-
-# --- data ------------------------------------------------------------------------------------
-class FeatureDataset(Dataset):
-    """Captured sequences held in memory as bf16 tensors (a few hundred MB for the default run)."""
-
-    def __init__(self, features, indices: list[int], with_final: bool):
-        rows = features.select(indices).with_format("numpy")
-        self.items = []
-        for r in rows:
-            item = {"input_ids": torch.from_numpy(r["input_ids"].astype("int64")),
-                    "target_next": torch.from_numpy(r["target_next"].astype("int64")),
-                    "prompt_len": int(r["prompt_len"]),
-                    "aux": from_bits(r["aux"])}
-            if with_final:
-                item["final"] = from_bits(r["final"])
-            self.items.append(item)
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, i):
-        return self.items[i]
 
 
 class EpochBatches(Sampler):
@@ -109,49 +85,6 @@ class ResumableLoader(DataLoader):
         self.batch_sampler._resume = (int(state["epoch"]), int(state["served"]))
 
 
-@dataclass
-class Batch:
-    input_ids: torch.Tensor  # [B, T]
-    target_next: torch.Tensor  # [B, T]
-    aux: torch.Tensor  # [B, T, n·H_t] float32
-    final: torch.Tensor | None  # [B, T, H_t] target post-norm state (KL only)
-    prompt_len: torch.Tensor  # [B]
-    seq_len: torch.Tensor  # [B]
-
-    @property
-    def first(self) -> torch.Tensor:
-        """[B] the first verified position an engine drafts from: the prompt's last token."""
-        return self.prompt_len - 1
-
-    def drafting(self, j: int) -> torch.Tensor:
-        """[B, T] positions t that draft (t >= P-1) and whose j-th draft x_{t+j+1} is in the sequence."""
-        pos = torch.arange(self.input_ids.shape[1])
-        return (pos >= self.first[:, None]) & (pos + j + 1 < self.seq_len[:, None])
-
-
-def collate(items: list[dict]) -> Batch:
-    T = max(len(it["input_ids"]) for it in items)
-
-    def pad(key, value=0):
-        out = []
-        for it in items:
-            x = it[key]
-            out.append(F.pad(x, (0, 0, 0, T - len(x)) if x.dim() == 2 else (0, T - len(x)), value=value))
-        return torch.stack(out)
-
-    return Batch(input_ids=pad("input_ids"), target_next=pad("target_next"), aux=pad("aux").float(),
-                 final=pad("final").float() if "final" in items[0] else None,
-                 prompt_len=torch.tensor([it["prompt_len"] for it in items]),
-                 seq_len=torch.tensor([len(it["input_ids"]) for it in items]))
-
-
-def shift(x: torch.Tensor, by: int, value=0) -> torch.Tensor:
-    """x[:, t + by] at index t (padded with `value` past the end)."""
-    T = x.shape[1]
-    pad = (0, 0, 0, by) if x.dim() == 3 else (0, by)
-    return F.pad(x, pad, value=value)[:, by: by + T]
-
-
 def per_process_mean(count: torch.Tensor) -> torch.Tensor:
     """A count averaged over DDP processes (the count itself in one process). Dividing each process's sum by
     it makes DDP's gradient average the gradient of the global mean, so W processes with batch b train exactly
@@ -161,27 +94,6 @@ def per_process_mean(count: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(count)
         return count / dist.get_world_size()
     return count
-
-
-# --- acceptance from one unrolled forward -----------------------------------------------------
-@torch.no_grad()
-def acceptance_counts(drafter: Eagle3Drafter, batch: Batch, max_k: int,
-                      outs: list | None = None) -> dict[int, AcceptanceCounts]:
-    """Simulated greedy-chain acceptance for every k <= max_k from one max_k-step unroll (`outs`, when
-    the caller already ran it)."""
-    outs = outs or drafter.unroll(batch.aux, batch.input_ids, max_k, first=batch.first)
-    drafting = batch.drafting(0)  # verified positions t >= P-1 with x_{t+1} in the sequence
-    drafts = torch.full((*batch.input_ids.shape, max_k), -1, dtype=torch.long)  # [B, T, K]
-    for j, out in enumerate(outs):
-        drafts[..., j][drafting] = drafter.to_target_ids(drafter.lm_head(out.normed[drafting]).argmax(-1))
-    truth = torch.stack([shift(batch.input_ids, j + 1, value=-2) for j in range(1, max_k + 1)], dim=-1)
-    matches = drafts == truth  # draft j at s vs x_{s+j+1}
-    totals = {k: AcceptanceCounts(k=k) for k in range(1, max_k + 1)}
-    for b in range(batch.input_ids.shape[0]):
-        n, p = int(batch.seq_len[b]), int(batch.prompt_len[b])
-        for k in totals:
-            totals[k].add(simulate(matches[b, :n], p, n, k))
-    return totals
 
 
 class FlushLogsWithCheckpoints(L.Callback):
@@ -213,13 +125,17 @@ class StopOnNonFinite(L.Callback):
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
             return  # fp16's loss scaler makes inf gradients on purpose and skips those steps itself
         if not all(torch.isfinite(p.grad).all() for p in pl_module.parameters() if p.grad is not None):
-            raise TrainingError(f"non-finite gradient at step {trainer.global_step}; lightning/last.ckpt keeps the "
-                                "last finite weights; lower train.lr or train.grad_clip")
+            raise TrainingError(
+                f"non-finite gradient at step {trainer.global_step}; lightning/last.ckpt keeps the "
+                "last finite weights; lower train.lr or train.grad_clip"
+            )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not all(torch.isfinite(p).all() for p in pl_module.parameters() if p.requires_grad):
-            raise TrainingError(f"non-finite weights after step {trainer.global_step}; lightning/last.ckpt keeps "
-                                "the last finite weights; lower train.lr")
+            raise TrainingError(
+                f"non-finite weights after step {trainer.global_step}; lightning/last.ckpt keeps "
+                "the last finite weights; lower train.lr"
+            )
 
 
 # --- the module --------------------------------------------------------------------------------
@@ -230,8 +146,9 @@ class DrafterModule(L.LightningModule):
         self.train_cfg = train_cfg
         self.drafter = Eagle3Drafter(model_cfg)
         # Target lm_head rows of the draft vocab [V_draft, H_t], frozen: the KL loss's teacher.
-        self.register_buffer("target_head", target_head if target_head is not None
-                             else torch.zeros(0), persistent=False)
+        self.register_buffer(
+            "target_head", target_head if target_head is not None else torch.zeros(0), persistent=False
+        )
         self.val_k = (train_cfg.ttt_steps, 2 * train_cfg.ttt_steps)
         self._val_counts: dict[int, AcceptanceCounts] = {}
         self._val_acc: list[list[float]] = []
@@ -264,8 +181,10 @@ class DrafterModule(L.LightningModule):
     def training_step(self, batch: Batch, batch_idx: int):
         loss, losses, correct, counted = self.ttt(batch, self.train_cfg.ttt_steps)
         if not torch.isfinite(loss):
-            raise TrainingError(f"non-finite loss at step {self.global_step}; lightning/last.ckpt keeps the last "
-                                "finite weights; lower train.lr or train.grad_clip")
+            raise TrainingError(
+                f"non-finite loss at step {self.global_step}; lightning/last.ckpt keeps the last "
+                "finite weights; lower train.lr or train.grad_clip"
+            )
         # Each process's terms are already divided by the mean count per process, so their mean over
         # processes (sync_dist) is the global figure; in one process sync_dist does nothing.
         bs = batch.input_ids.shape[0]
@@ -273,8 +192,7 @@ class DrafterModule(L.LightningModule):
         for j, (l_j, c, n) in enumerate(zip(losses, correct, counted), start=1):
             self.log(f"train/loss@d{j}", l_j, batch_size=bs, sync_dist=True)
             n_mean = per_process_mean(torch.tensor(float(n), device=loss.device))  # NCCL reduces GPU tensors only
-            self.log(f"train/acc@d{j}", c / float(n_mean.clamp(min=1)),
-                     batch_size=bs, sync_dist=True)
+            self.log(f"train/acc@d{j}", c / float(n_mean.clamp(min=1)), batch_size=bs, sync_dist=True)
         return loss
 
     def on_validation_epoch_start(self):

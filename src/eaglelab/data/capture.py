@@ -24,6 +24,7 @@ def aux_hooks(model, layer_ids: list[int]):
     def keep(key):
         def hook(_module, _inputs, output):
             grabbed[key] = output[0] if isinstance(output, tuple) else output
+
         return hook
 
     for k in layer_ids:

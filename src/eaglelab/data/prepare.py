@@ -25,7 +25,8 @@ from tqdm.auto import tqdm
 
 from eaglelab.data.capture import capture_batch
 from eaglelab.data.prompts import Messages, is_validation
-from eaglelab.data.regenerate import generate, generate_vllm, template_prompt
+from eaglelab.data.regenerate import generate, generate_vllm
+from eaglelab.data.templates import template_prompt
 from eaglelab.errors import DataError
 from eaglelab.io import atomic_dir, atomic_write_json, file_lock
 
@@ -76,11 +77,35 @@ def _load(path: Path) -> datasets.Dataset:
     return datasets.Dataset.from_file(str(path / "data.arrow"))
 
 
-def prepare_features(target, prompts: list[Messages], *, cache_dir: str | Path, name: str,
-                     aux_layer_ids: list[int], system_prompt: str | None, max_new_tokens: int,
-                     max_length: int, batch_size: int, val_fraction: float = 0.0,
-                     capture_batch_size: int = 4, backend: str = "hf",
-                     render=None) -> tuple[datasets.Dataset, PrepareStats]:
+@dataclass(frozen=True)
+class CaptureSettings:
+    """How every prompt set of a run is regenerated and captured (the keyword arguments of `prepare_features`
+    that all its prompt sets share)."""
+
+    cache_dir: str
+    aux_layer_ids: list[int]
+    system_prompt: str | None
+    max_length: int
+    batch_size: int
+    backend: str  # hf | vllm
+
+
+def prepare_features(
+    target,
+    prompts: list[Messages],
+    *,
+    cache_dir: str | Path,
+    name: str,
+    aux_layer_ids: list[int],
+    system_prompt: str | None,
+    max_new_tokens: int,
+    max_length: int,
+    batch_size: int,
+    val_fraction: float = 0.0,
+    capture_batch_size: int = 4,
+    backend: str = "hf",
+    render=None,
+) -> tuple[datasets.Dataset, PrepareStats]:
     """`render(tokenizer, messages) -> ids` replaces the native chat template (evaluation suites)."""
     cache_dir = Path(cache_dir).expanduser()
     stats = PrepareStats(prompts=len(prompts))
@@ -89,76 +114,123 @@ def prepare_features(target, prompts: list[Messages], *, cache_dir: str | Path, 
     # 1. Prompts in the target's chat template; those that leave no room for a response are skipped.
     templated, is_val = [], []
     for messages in prompts:
-        ids = (render(target.tokenizer, messages) if render
-               else template_prompt(target.tokenizer, messages, system_prompt))
+        ids = (
+            render(target.tokenizer, messages) if render else template_prompt(target.tokenizer, messages, system_prompt)
+        )
         if len(ids) + 8 > limit:
             stats.skipped_too_long += 1
             continue
         templated.append(ids)
         is_val.append(is_validation(messages, val_fraction))
     if stats.skipped_too_long:
-        log.warning("%s: skipped %d of %d prompts longer than the context (%d tokens)",
-                    name, stats.skipped_too_long, len(prompts), limit)
+        log.warning(
+            "%s: skipped %d of %d prompts longer than the context (%d tokens)",
+            name,
+            stats.skipped_too_long,
+            len(prompts),
+            limit,
+        )
     if not templated:
-        raise DataError(f"{name}: the dataset is empty after filtering ({len(prompts)} prompts, "
-                        f"{stats.skipped_too_long} longer than {limit} tokens); raise data.max_length "
-                        "or give more/shorter prompts")
+        raise DataError(
+            f"{name}: the dataset is empty after filtering ({len(prompts)} prompts, "
+            f"{stats.skipped_too_long} longer than {limit} tokens); raise data.max_length "
+            "or give more/shorter prompts"
+        )
 
     # 2-3. Regeneration by the target and capture of its states, each cached under its own key. When
     # neither entry exists, one pass does both (states come from the forward that generated them).
-    regen_key = cache_key(v=CACHE_VERSION, target=target.fingerprint, prompts=templated, is_val=is_val,
-                          max_new_tokens=max_new_tokens, limit=limit, batch_size=batch_size, backend=backend)
+    regen_key = cache_key(
+        v=CACHE_VERSION,
+        target=target.fingerprint,
+        prompts=templated,
+        is_val=is_val,
+        max_new_tokens=max_new_tokens,
+        limit=limit,
+        batch_size=batch_size,
+        backend=backend,
+    )
     feat_key = cache_key(v=CACHE_VERSION, regen=regen_key, aux=list(aux_layer_ids))
     regen_dir, feat_dir = cache_dir / "regen" / regen_key, cache_dir / "features" / feat_key
     H = target.hidden_size
-    regen_features = datasets.Features({"prompt_ids": datasets.Sequence(datasets.Value("int32")),
-                                        "response_ids": datasets.Sequence(datasets.Value("int32")),
-                                        "is_val": datasets.Value("bool")})
-    capture_features = datasets.Features({
-        "input_ids": datasets.Sequence(datasets.Value("int32")),
-        "prompt_len": datasets.Value("int32"),
-        "is_val": datasets.Value("bool"),
-        "aux": datasets.Array2D((None, H * len(aux_layer_ids)), "uint16"),
-        "final": datasets.Array2D((None, H), "uint16"),
-        "target_next": datasets.Sequence(datasets.Value("int32")),
-    })
+    regen_features = datasets.Features(
+        {
+            "prompt_ids": datasets.Sequence(datasets.Value("int32")),
+            "response_ids": datasets.Sequence(datasets.Value("int32")),
+            "is_val": datasets.Value("bool"),
+        }
+    )
+    capture_features = datasets.Features(
+        {
+            "input_ids": datasets.Sequence(datasets.Value("int32")),
+            "prompt_len": datasets.Value("int32"),
+            "is_val": datasets.Value("bool"),
+            "aux": datasets.Array2D((None, H * len(aux_layer_ids)), "uint16"),
+            "final": datasets.Array2D((None, H), "uint16"),
+            "target_next": datasets.Sequence(datasets.Value("int32")),
+        }
+    )
     feat_meta = {"name": name, "regen": regen_key, "aux_layer_ids": list(aux_layer_ids)}
     t0 = time.perf_counter()
-    with file_lock(cache_dir / "locks" / f"regen-{regen_key}.lock"), \
-            file_lock(cache_dir / "locks" / f"features-{feat_key}.lock"):
+    with (
+        file_lock(cache_dir / "locks" / f"regen-{regen_key}.lock"),
+        file_lock(cache_dir / "locks" / f"features-{feat_key}.lock"),
+    ):
         stats.regen_cached = (regen_dir / "data.arrow").exists()
         stats.capture_cached = (feat_dir / "data.arrow").exists()
         if not stats.regen_cached and backend == "vllm":  # vLLM generates; a capture pass follows
-            responses, _ = generate_vllm(target, templated, max_new_tokens, limit,
-                                         cache_dir / "logs" / f"regen-{regen_key}")
-            _write(regen_dir, regen_features,
-                   ({"prompt_ids": p, "response_ids": r, "is_val": v}
-                    for p, r, v in zip(templated, responses, is_val)),
-                   {"name": name, "target": target.fingerprint, "n": len(templated), "backend": backend})
+            responses, _ = generate_vllm(
+                target, templated, max_new_tokens, limit, cache_dir / "logs" / f"regen-{regen_key}"
+            )
+            _write(
+                regen_dir,
+                regen_features,
+                ({"prompt_ids": p, "response_ids": r, "is_val": v} for p, r, v in zip(templated, responses, is_val)),
+                {"name": name, "target": target.fingerprint, "n": len(templated), "backend": backend},
+            )
             stats.seconds["regenerate"] = time.perf_counter() - t0
         if not stats.regen_cached and backend == "hf":
-            rows = list(generate(target, templated, max_new_tokens, limit, batch_size,
-                                 capture_layers=None if stats.capture_cached else list(aux_layer_ids),
-                                 desc=f"regenerate+capture {name}"))
-            _write(regen_dir, regen_features,
-                   ({"prompt_ids": templated[i], "response_ids": resp, "is_val": is_val[i]} for i, resp, _ in rows),
-                   {"name": name, "target": target.fingerprint, "n": len(templated)})
+            rows = list(
+                generate(
+                    target,
+                    templated,
+                    max_new_tokens,
+                    limit,
+                    batch_size,
+                    capture_layers=None if stats.capture_cached else list(aux_layer_ids),
+                    desc=f"regenerate+capture {name}",
+                )
+            )
+            _write(
+                regen_dir,
+                regen_features,
+                ({"prompt_ids": templated[i], "response_ids": resp, "is_val": is_val[i]} for i, resp, _ in rows),
+                {"name": name, "target": target.fingerprint, "n": len(templated)},
+            )
             if not stats.capture_cached:
-                _write(feat_dir, capture_features,
-                       (_feature_row(templated[i] + resp, len(templated[i]), is_val[i], cap) for i, resp, cap in rows),
-                       feat_meta)
+                _write(
+                    feat_dir,
+                    capture_features,
+                    (_feature_row(templated[i] + resp, len(templated[i]), is_val[i], cap) for i, resp, cap in rows),
+                    feat_meta,
+                )
             del rows
         if not stats.capture_cached and not (feat_dir / "data.arrow").exists():
             # New aux layers for an existing regeneration, or vLLM's regeneration: a capture pass.
-            _write(feat_dir, capture_features,
-                   _capture_rows(target, _load(regen_dir), aux_layer_ids, capture_batch_size, name), feat_meta)
+            _write(
+                feat_dir,
+                capture_features,
+                _capture_rows(target, _load(regen_dir), aux_layer_ids, capture_batch_size, name),
+                feat_meta,
+            )
     # A fused pass counts as "regenerate" (capture inside it); a separate capture pass as "capture".
     elapsed = time.perf_counter() - t0
     if backend == "vllm" and not stats.regen_cached:
         stats.seconds["capture"] = elapsed - stats.seconds["regenerate"]
     else:
-        stats.seconds = {"regenerate": 0.0 if stats.regen_cached else elapsed,
-                         "capture": elapsed if stats.regen_cached else 0.0}
+        stats.seconds = {
+            "regenerate": 0.0 if stats.regen_cached else elapsed,
+            "capture": elapsed if stats.regen_cached else 0.0,
+        }
     regen = _load(regen_dir)
     features = _load(feat_dir)
     stats.sequences = len(features)
@@ -197,5 +269,11 @@ def _batches(order: list[int], lengths: list[int], batch_size: int, max_tokens: 
 
 def _feature_row(input_ids: list[int], prompt_len: int, is_val: bool, captured: dict) -> dict:
     assert len(captured["aux"]) == len(input_ids), "captured states must cover every position"
-    return {"input_ids": input_ids, "prompt_len": prompt_len, "is_val": is_val, "aux": bf16_bits(captured["aux"]),
-            "final": bf16_bits(captured["final"]), "target_next": captured["target_next"].tolist()}
+    return {
+        "input_ids": input_ids,
+        "prompt_len": prompt_len,
+        "is_val": is_val,
+        "aux": bf16_bits(captured["aux"]),
+        "final": bf16_bits(captured["final"]),
+        "target_next": captured["target_next"].tolist(),
+    }

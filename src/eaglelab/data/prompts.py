@@ -25,12 +25,59 @@ Messages = list[dict[str, str]]
 
 # Modules whose public functions have useful docstrings; a fixed list keeps prompts reproducible.
 STDLIB_MODULES = [
-    "base64", "bisect", "calendar", "collections", "colorsys", "copy", "csv", "datetime", "difflib",
-    "filecmp", "fnmatch", "fractions", "functools", "glob", "graphlib", "gzip", "hashlib", "heapq",
-    "html", "inspect", "ipaddress", "itertools", "json", "keyword", "linecache", "locale", "math",
-    "mimetypes", "ntpath", "operator", "os", "pathlib", "posixpath", "pprint", "quopri", "random",
-    "re", "shlex", "shutil", "statistics", "string", "struct", "tarfile", "tempfile", "textwrap",
-    "tokenize", "typing", "unicodedata", "urllib.parse", "uuid", "warnings", "zipfile", "zlib",
+    "base64",
+    "bisect",
+    "calendar",
+    "collections",
+    "colorsys",
+    "copy",
+    "csv",
+    "datetime",
+    "difflib",
+    "filecmp",
+    "fnmatch",
+    "fractions",
+    "functools",
+    "glob",
+    "graphlib",
+    "gzip",
+    "hashlib",
+    "heapq",
+    "html",
+    "inspect",
+    "ipaddress",
+    "itertools",
+    "json",
+    "keyword",
+    "linecache",
+    "locale",
+    "math",
+    "mimetypes",
+    "ntpath",
+    "operator",
+    "os",
+    "pathlib",
+    "posixpath",
+    "pprint",
+    "quopri",
+    "random",
+    "re",
+    "shlex",
+    "shutil",
+    "statistics",
+    "string",
+    "struct",
+    "tarfile",
+    "tempfile",
+    "textwrap",
+    "tokenize",
+    "typing",
+    "unicodedata",
+    "urllib.parse",
+    "uuid",
+    "warnings",
+    "zipfile",
+    "zlib",
 ]
 
 _CODE_TEMPLATES = [
@@ -103,16 +150,21 @@ def _conversation_from_row(row: dict, where: str) -> Messages:
         msgs = row["messages"]
         conv = [{"role": m.get("role"), "content": m.get("content")} for m in msgs] if isinstance(msgs, list) else None
     elif "conversations" in row:
-        role_map = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                    "system": "system"}
+        role_map = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
         msgs = row["conversations"]
-        conv = ([{"role": role_map.get(m.get("from")), "content": m.get("value")} for m in msgs]
-                if isinstance(msgs, list) else None)
+        conv = (
+            [{"role": role_map.get(m.get("from")), "content": m.get("value")} for m in msgs]
+            if isinstance(msgs, list)
+            else None
+        )
     else:
-        raise DataError(f"{where}: row has neither 'messages' (OpenAI) nor 'conversations' (ShareGPT); "
-                        "convert it to one of those forms")
-    if conv is None or any(not isinstance(m.get("content"), str) or m.get("role") not in
-                           ("system", "user", "assistant") for m in conv):
+        raise DataError(
+            f"{where}: row has neither 'messages' (OpenAI) nor 'conversations' (ShareGPT); "
+            "convert it to one of those forms"
+        )
+    if conv is None or any(
+        not isinstance(m.get("content"), str) or m.get("role") not in ("system", "user", "assistant") for m in conv
+    ):
         raise DataError(f"{where}: malformed conversation (each turn needs a known role and string content)")
     last_user = max((i for i, m in enumerate(conv) if m["role"] == "user"), default=None)
     if last_user is None or not conv[last_user]["content"].strip():
@@ -125,8 +177,10 @@ def _non_empty(convs: list[tuple[str, Messages]], skip_empty: bool) -> list[Mess
     went wrong) unless data.skip_empty=true says such rows are expected; then they are skipped and counted."""
     empty = [where for where, conv in convs if not conv]
     if empty and not skip_empty:
-        raise DataError(f"{empty[0]}: empty conversation (no user turn with text; {len(empty)} such rows); remove "
-                        "them or set data.skip_empty=true to skip them")
+        raise DataError(
+            f"{empty[0]}: empty conversation (no user turn with text; {len(empty)} such rows); remove "
+            "them or set data.skip_empty=true to skip them"
+        )
     if empty:
         log.warning("skipped %d empty conversations (first: %s)", len(empty), empty[0])
     return [conv for _, conv in convs if conv]
@@ -168,12 +222,15 @@ def hf_prompts(spec: str, skip_empty: bool = False) -> list[Messages]:
         else:
             ds = datasets.load_dataset(str(p))
     except Exception as e:
-        raise DataError(f"data source hf:{spec}: cannot load ({type(e).__name__}); give a local dataset "
-                        "folder (save_to_disk) or data files") from None
+        raise DataError(
+            f"data source hf:{spec}: cannot load ({type(e).__name__}); give a local dataset "
+            "folder (save_to_disk) or data files"
+        ) from None
     if isinstance(ds, datasets.DatasetDict):
         ds = ds[split or next(iter(ds))]
-    return _non_empty([(f"hf:{spec}[{i}]", _conversation_from_row(row, f"hf:{spec}[{i}]"))
-                       for i, row in enumerate(ds)], skip_empty)
+    return _non_empty(
+        [(f"hf:{spec}[{i}]", _conversation_from_row(row, f"hf:{spec}[{i}]")) for i, row in enumerate(ds)], skip_empty
+    )
 
 
 def humaneval_prompts() -> list[Messages]:
@@ -184,8 +241,10 @@ def humaneval_prompts() -> list[Messages]:
     path = Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt") as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    return [[{"role": "user", "content": "Complete the following Python function.\n\n```python\n"
-              f"{r['prompt']}```"}] for r in rows]
+    return [
+        [{"role": "user", "content": f"Complete the following Python function.\n\n```python\n{r['prompt']}```"}]
+        for r in rows
+    ]
 
 
 def load_source(source: str, skip_empty: bool = False) -> list[Messages]:
@@ -196,11 +255,12 @@ def load_source(source: str, skip_empty: bool = False) -> list[Messages]:
     if source == "humaneval":
         return humaneval_prompts()
     if source.startswith("jsonl:"):
-        return jsonl_prompts(source[len("jsonl:"):], skip_empty)
+        return jsonl_prompts(source[len("jsonl:") :], skip_empty)
     if source.startswith("hf:"):
-        return hf_prompts(source[len("hf:"):], skip_empty)
-    raise DataError(f"unknown data source {source!r}; use stdlib_docstrings, pydoc_topics, humaneval, "
-                    "jsonl:PATH or hf:PATH[:SPLIT]")
+        return hf_prompts(source[len("hf:") :], skip_empty)
+    raise DataError(
+        f"unknown data source {source!r}; use stdlib_docstrings, pydoc_topics, humaneval, jsonl:PATH or hf:PATH[:SPLIT]"
+    )
 
 
 def mix_sources(sources: list[str], num_prompts: int, seed: int, skip_empty: bool = False) -> list[Messages]:
@@ -221,4 +281,4 @@ def mix_sources(sources: list[str], num_prompts: int, seed: int, skip_empty: boo
 def is_validation(messages: Messages, val_fraction: float) -> bool:
     """A stable per-prompt split: the same prompt is always on the same side."""
     digest = hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2 ** 64 < val_fraction
+    return int.from_bytes(digest[:8], "big") / 2**64 < val_fraction

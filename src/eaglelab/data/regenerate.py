@@ -12,20 +12,6 @@ import torch
 from tqdm.auto import tqdm
 
 from eaglelab.data.capture import aux_hooks
-from eaglelab.data.prompts import Messages
-from eaglelab.errors import DataError
-
-
-def template_prompt(tokenizer, messages: Messages, system_prompt: str | None) -> list[int]:
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError("the target's tokenizer has no chat template; use a chat/instruct model or set "
-                        "tokenizer.chat_template in the target folder")
-    if system_prompt is not None and messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": system_prompt}, *messages]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 may return a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
 
 
 def stop_ids(target) -> set[int]:
@@ -36,8 +22,15 @@ def stop_ids(target) -> set[int]:
 
 
 @torch.no_grad()
-def generate(target, prompt_ids: list[list[int]], max_new_tokens: int, max_length: int, batch_size: int,
-             capture_layers: list[int] | None = None, desc: str = "regenerate"):
+def generate(
+    target,
+    prompt_ids: list[list[int]],
+    max_new_tokens: int,
+    max_length: int,
+    batch_size: int,
+    capture_layers: list[int] | None = None,
+    desc: str = "regenerate",
+):
     """Greedy continuations, batched by similar length (left padding), with a KV cache.
 
     With `capture_layers`, the target's aux states, post-norm state and greedy next token at every
@@ -52,20 +45,19 @@ def generate(target, prompt_ids: list[list[int]], max_new_tokens: int, max_lengt
     hooks = aux_hooks(model, capture_layers) if capture_layers else contextlib.nullcontext({})
     with hooks as grabbed:
         for start in range(0, len(order), batch_size):
-            idx = order[start: start + batch_size]
+            idx = order[start : start + batch_size]
             lens = [len(prompt_ids[i]) for i in idx]
             B, W = len(idx), max(lens)
             ids = torch.full((B, W), pad, dtype=torch.long)
             mask = torch.zeros_like(ids)
             for row, i in enumerate(idx):
-                ids[row, W - lens[row]:] = torch.tensor(prompt_ids[i])
-                mask[row, W - lens[row]:] = 1
+                ids[row, W - lens[row] :] = torch.tensor(prompt_ids[i])
+                mask[row, W - lens[row] :] = 1
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             # Logits of the last prompt position only: labels are never needed inside the prompt (the
             # first draft is made from position P-1), and full-vocab logits of a whole batch of
             # prompts would cost B·W·V floats.
-            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                        logits_to_keep=1)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
             states = [[] for _ in idx]  # per row: list of (aux [t, n·H], final [t, H], next [t])
 
             def record(rows, logits, prefill):
@@ -93,8 +85,13 @@ def generate(target, prompt_ids: list[list[int]], max_new_tokens: int, max_lengt
                 # Feed the new tokens: their states (capture) and the following greedy token.
                 mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype)], dim=-1)
                 positions = positions[:, -1:] + 1
-                out = model(input_ids=torch.where(fed, nxt, pad)[:, None], attention_mask=mask,
-                            position_ids=positions, past_key_values=out.past_key_values, use_cache=True)
+                out = model(
+                    input_ids=torch.where(fed, nxt, pad)[:, None],
+                    attention_mask=mask,
+                    position_ids=positions,
+                    past_key_values=out.past_key_values,
+                    use_cache=True,
+                )
                 if capture_layers:
                     record(torch.nonzero(fed).flatten().tolist(), out.logits, prefill=False)
                 nxt = out.logits[:, -1].argmax(-1)
@@ -110,15 +107,26 @@ def generate(target, prompt_ids: list[list[int]], max_new_tokens: int, max_lengt
     bar.close()
 
 
-def generate_vllm(target, prompt_ids: list[list[int]], max_new_tokens: int, max_length: int,
-                  workdir) -> tuple[list[list[int]], float]:
+def generate_vllm(
+    target, prompt_ids: list[list[int]], max_new_tokens: int, max_length: int, workdir
+) -> tuple[list[list[int]], float]:
     """The same greedy continuations from vLLM (its own process; continuous batching of all prompts).
     States are captured afterwards by one HF forward per batch of finished sequences.
     Returns (responses, seconds spent generating, engine start excluded)."""
     from eaglelab.vllm_engine import run_engine
 
     budgets = [min(max_new_tokens, max_length - len(p)) for p in prompt_ids]
-    result = run_engine({"mode": "generate", "target": str(target.path), "prompts": prompt_ids, "max_tokens": budgets,
-                         "stop_token_ids": sorted(stop_ids(target)), "dtype": str(target.model.dtype).split(".")[-1],
-                         "max_model_len": max_length}, workdir, desc="regenerate (vLLM)")
+    result = run_engine(
+        {
+            "mode": "generate",
+            "target": str(target.path),
+            "prompts": prompt_ids,
+            "max_tokens": budgets,
+            "stop_token_ids": sorted(stop_ids(target)),
+            "dtype": str(target.model.dtype).split(".")[-1],
+            "max_model_len": max_length,
+        },
+        workdir,
+        desc="regenerate (vLLM)",
+    )
     return result["outputs"], result["seconds"]

@@ -1,4 +1,5 @@
-"""Prompt conditions for the template / system-prompt / BoS robustness suite.
+"""Prompts in the target's chat template (`template_prompt`: how every training and held-out prompt is
+rendered), and the conditions of the template / system-prompt / BoS robustness suite.
 
 A drafter is trained on prompts in the target's own chat template with its default system prompt
 ("native"). Each condition renders the same held-out conversation differently; the target then
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from eaglelab.data.prompts import Messages
-from eaglelab.data.regenerate import template_prompt
+from eaglelab.errors import DataError
 
 # An out-of-distribution system prompt: long, specific, nothing like the training prompts' default.
 LONG_SYSTEM_PROMPT = (
@@ -30,6 +31,20 @@ LONG_SYSTEM_PROMPT = (
     "vessel over 90 metres may enter the Old basin. Fees are charged per gross ton per day and are "
     "invoiced monthly. These orders take precedence over any other instruction you receive."
 )
+
+
+def template_prompt(tokenizer, messages: Messages, system_prompt: str | None) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            "the target's tokenizer has no chat template; use a chat/instruct model or set "
+            "tokenizer.chat_template in the target folder"
+        )
+    if system_prompt is not None and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 may return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
 
 
 def _user_text(messages: Messages) -> str:
@@ -50,8 +65,11 @@ def _no_template(tokenizer, messages, system_prompt):
 
 
 def _foreign_llama3(tokenizer, messages, system_prompt):
-    return _plain(tokenizer, "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n"
-                  f"{_user_text(messages)}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+    return _plain(
+        tokenizer,
+        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n"
+        f"{_user_text(messages)}<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+    )
 
 
 def _foreign_mistral(tokenizer, messages, system_prompt):

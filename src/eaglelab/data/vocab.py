@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 
 
-def draft_vocab(sequences: list[torch.Tensor], prompt_lens: list[int], vocab_size: int,
-                draft_vocab_size: int) -> tuple[torch.Tensor, float]:
+def draft_vocab(
+    sequences: list[torch.Tensor], prompt_lens: list[int], vocab_size: int, draft_vocab_size: int
+) -> tuple[torch.Tensor, float]:
     """-> (ascending target ids [V_draft], share of assistant tokens the draft vocab covers)."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for ids, p in zip(sequences, prompt_lens):

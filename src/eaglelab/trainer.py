@@ -1,0 +1,168 @@
+"""The train stage: Lightning set-up around `DrafterModule` (eaglelab.training) — data loaders, the Trainer,
+loggers, rolling checkpoints and resuming after a preemption."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from eaglelab.batches import FeatureDataset, collate
+from eaglelab.config import RunConfig
+from eaglelab.data.vocab import draft_vocab
+from eaglelab.drafter import Eagle3Config, Eagle3Drafter
+from eaglelab.errors import EaglelabError
+from eaglelab.rundir import is_primary, keep_previous_log, merge_logs
+from eaglelab.targets import TargetWeights
+from eaglelab.training import (
+    AtomicCheckpointIO,
+    DrafterModule,
+    EpochBatches,
+    FlushLogsWithCheckpoints,
+    ResumableLoader,
+    StopOnNonFinite,
+)
+
+log = logging.getLogger("eaglelab")
+
+
+def train_drafter(
+    cfg: RunConfig,
+    run_dir: Path,
+    model_cfg: Eagle3Config,
+    target: TargetWeights,
+    features,
+    loggers: Callable[[], list | bool] = lambda: False,
+) -> tuple[Eagle3Drafter, dict]:
+    """The train stage: draft vocabulary from the training split, init from the target, TTT training with
+    Lightning (resumed from lightning/last.ckpt after an interruption). -> (trained drafter, train metrics).
+    `loggers()` makes Lightning's loggers, once it is known that training runs."""
+
+    # Seeded here, right before anything random, so the result never depends on what ran before
+    # (e.g. whether the data came from the cache or was just generated).
+    L.seed_everything(cfg.train.seed, workers=True, verbose=False)
+    is_val = features["is_val"]
+    train_idx = [i for i, v in enumerate(is_val) if not v]
+    val_idx = [i for i, v in enumerate(is_val) if v]
+    if not train_idx:
+        raise EaglelabError(
+            "no training sequences left after the validation split; lower data.val_fraction or raise data.num_prompts"
+        )
+    with_final = cfg.train.loss == "kl"
+    train_set = FeatureDataset(features, train_idx, with_final)
+    val_set = FeatureDataset(features, val_idx, with_final) if val_idx else None
+    draft_ids, coverage = draft_vocab(
+        [it["input_ids"] for it in train_set.items],
+        [it["prompt_len"] for it in train_set.items],
+        model_cfg.vocab_size,
+        model_cfg.draft_vocab_size,
+    )
+    module = DrafterModule(model_cfg, cfg.train)
+    module.target_head = init_from_target(module, target, draft_ids, cfg.drafter.init_lm_head_from_target)
+    loader = ResumableLoader(
+        train_set, collate_fn=collate, batch_sampler=EpochBatches(len(train_set), cfg.train.batch_size, cfg.train.seed)
+    )
+    module.train_batches = loader.batch_sampler
+    val_loader = (
+        torch.utils.data.DataLoader(val_set, batch_size=cfg.train.batch_size, collate_fn=collate) if val_set else None
+    )
+    ckpt = run_dir / "lightning" / "last.ckpt"
+    state = readable_checkpoint(ckpt)  # every DDP process reads the same file: the same decision everywhere
+    if state is not None and "eaglelab_train_metrics" in state:  # training had finished: its result stands
+        module.on_load_checkpoint(state)
+        module.load_state_dict(state["state_dict"])
+        log.info("training finished in an earlier attempt: weights from %s", ckpt)
+        return module.drafter, state["eaglelab_train_metrics"]
+    resume = str(ckpt) if state is not None else None
+    if resume:
+        log.info("resuming training from %s (step %d)", ckpt, state["global_step"])
+        if is_primary():
+            keep_previous_log(run_dir)
+    del state
+    trainer = make_trainer(cfg, run_dir, loggers())
+    trainer.fit(module, loader, val_loader, ckpt_path=resume)
+    if trainer.interrupted:
+        raise KeyboardInterrupt("training interrupted")
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("val/", "train/"))}
+    metrics.update(
+        {
+            "data/train_sequences": len(train_idx),
+            "data/val_sequences": len(val_idx),
+            "data/draft_vocab_coverage": coverage,
+            "train/steps": int(trainer.global_step),
+        }
+    )
+    module.final_metrics = metrics
+    trainer.save_checkpoint(ckpt)  # the finished state with its metrics (every process joins; process 0 writes)
+    if is_primary() and any((run_dir / "logs").glob("metrics.attempt*.csv")):
+        merge_logs(run_dir / "logs")
+    return module.drafter, metrics
+
+
+def readable_checkpoint(ckpt: Path) -> dict | None:
+    """The checkpoint to resume from, if there is one that loads. An unreadable one (truncated by a dying
+    node) is not trusted: training starts again, and the next checkpoint replaces the file."""
+    if not ckpt.exists():
+        return None
+    try:
+        return torch.load(ckpt, map_location="cpu", weights_only=False)
+    except Exception as e:  # any unreadable checkpoint means: start training again
+        log.warning("%s cannot be read (%s): training starts again", ckpt, type(e).__name__)
+        return None
+
+
+def init_from_target(module, target: TargetWeights, draft_ids: torch.Tensor, init_lm_head: bool) -> torch.Tensor:
+    """Share the target's embeddings (frozen); optionally start lm_head/norm at the target's.
+    Returns the target's lm_head rows of the draft vocab (the KL teacher)."""
+    d = module.drafter
+    d.set_vocab(draft_ids)
+    d.embed_tokens.weight.data.copy_(target.embed.float())
+    head = target.lm_head.float()[draft_ids].clone()
+    if init_lm_head:
+        d.lm_head.weight.data.copy_(head)
+        d.norm.weight.data.copy_(target.norm.float())
+    return head
+
+
+def make_trainer(cfg: RunConfig, run_dir: Path, loggers: list | bool):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    t = cfg.train
+    # submitit owns requeueing (one owner): Lightning's own SLURM auto-requeue would requeue a second time.
+    plugins = [AtomicCheckpointIO()] + ([SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else [])
+    for stale in (run_dir / "lightning").glob(".*.tmp-*"):  # a killed save's temporary file: never the checkpoint
+        stale.unlink(missing_ok=True)
+    return L.Trainer(
+        accelerator=t.accelerator,
+        devices=t.devices,
+        strategy=t.strategy,
+        precision=t.precision,
+        num_nodes=t.num_nodes,
+        plugins=plugins,
+        max_epochs=t.epochs,
+        max_steps=t.max_steps,
+        gradient_clip_val=t.grad_clip or None,
+        logger=loggers,
+        log_every_n_steps=5,
+        deterministic=True,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,  # EpochBatches shards the batches itself (and resumes mid-epoch)
+        # One rolling checkpoint: the resume point after a preemption (written atomically: AtomicCheckpointIO).
+        callbacks=[
+            ModelCheckpoint(
+                dirpath=str(run_dir / "lightning"),
+                filename="last",
+                save_top_k=1,
+                every_n_train_steps=t.checkpoint_every_n_steps,
+                enable_version_counter=False,
+            ),
+            FlushLogsWithCheckpoints(),
+            StopOnNonFinite(),
+        ],
+        enable_model_summary=False,
+        default_root_dir=str(run_dir),
+    )

@@ -1,0 +1,115 @@
+"""The code's shape: data flows one way (prompts -> regenerate -> capture -> cache -> train -> export ->
+evaluate -> results -> analysis -> paper), evaluation needs no Lightning, and nothing edits sys.path."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Every eaglelab module's place in the data flow. A module may import only modules of its own rank or below;
+# a new module must be placed here (the test says so).
+RANK = {
+    # 0: foundations every stage uses — errors, file writes, the variants table, the drafter (the method),
+    # the typed configs, the vLLM engine runner, a run directory's identity
+    "eaglelab": 0,
+    "eaglelab.errors": 0,
+    "eaglelab.io": 0,
+    "eaglelab.variants": 0,
+    "eaglelab.acceptance": 0,
+    "eaglelab.drafter": 0,
+    "eaglelab.config": 0,
+    "eaglelab.vllm_engine": 0,
+    "eaglelab.rundir": 0,
+    # 1: prompts
+    "eaglelab.data": 1,
+    "eaglelab.data.prompts": 1,
+    "eaglelab.data.templates": 1,
+    "eaglelab.data.long_context": 1,
+    # 2: the target, regenerate, capture, cache
+    "eaglelab.targets": 2,
+    "eaglelab.data.regenerate": 2,
+    "eaglelab.data.capture": 2,
+    "eaglelab.data.prepare": 2,
+    "eaglelab.data.vocab": 2,
+    # 3: train
+    "eaglelab.batches": 3,
+    "eaglelab.training": 3,
+    "eaglelab.trainer": 3,
+    # 4: export
+    "eaglelab.export": 4,
+    # 5: evaluate (and its per-run figures)
+    "eaglelab.evaluate": 5,
+    "eaglelab.drift": 5,
+    "eaglelab.suites": 5,
+    "eaglelab.plots": 5,
+    # 6: results (W&B)
+    "eaglelab.tracking": 6,
+    # 7: the loop and the sweeps that run it
+    "eaglelab.pipeline": 7,
+    "eaglelab.sweeps": 7,
+}
+NO_LIGHTNING = (
+    "eaglelab.batches",
+    "eaglelab.evaluate",
+    "eaglelab.drift",
+    "eaglelab.export",
+    "eaglelab.suites",
+    "eaglelab.config",
+    "eaglelab.drafter",
+)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT / "src").with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> set[str]:
+    """Every module `path` imports, at the top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}  # `from eaglelab import variants`
+    return found
+
+
+def eaglelab_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in (ROOT / "src" / "eaglelab").rglob("*.py")}
+
+
+def test_every_module_has_a_place_in_the_data_flow():
+    assert sorted(set(eaglelab_modules()) - set(RANK)) == [], "place the new module in RANK"
+
+
+def test_no_module_reaches_back_up_the_data_flow():
+    backwards = []
+    for name, path in eaglelab_modules().items():
+        for imported in imports(path):
+            if imported in RANK and RANK[imported] > RANK[name]:
+                backwards.append(f"{name} (rank {RANK[name]}) imports {imported} (rank {RANK[imported]})")
+    assert backwards == []
+
+
+def test_evaluation_needs_no_lightning():
+    modules = eaglelab_modules()
+    heavy = {
+        name: sorted(
+            i
+            for i in imports(modules[name])
+            if i.split(".")[0] in ("lightning", "pytorch_lightning") or i in ("eaglelab.training", "eaglelab.trainer")
+        )
+        for name in NO_LIGHTNING
+    }
+    assert {k: v for k, v in heavy.items() if v} == {}
+
+
+def test_no_sys_path_edits_outside_the_tests():
+    edits = [
+        str(p.relative_to(ROOT))
+        for p in ROOT.rglob("*.py")
+        if "sys.path.insert" in p.read_text() or "sys.path.append" in p.read_text()
+    ]
+    assert [e for e in edits if not e.startswith("tests/")] == []
