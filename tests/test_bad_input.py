@@ -67,8 +67,6 @@ def bad_files(cache_dir, tmp_path_factory) -> Path:
             ["drafter.draft_vocab_size=60000"],
             "exceeds the target's vocabulary (49152 tokens); lower drafter.draft_vocab_size",
         ),
-        (["drafter.aux_layer_ids=[4,2,6]"], "must be sorted and unique"),
-        (["drafter.aux_layer_ids=[0,2,4]"], "ids must be in 1..7"),
         (["drafter.aux_layer_ids=[2,4,8]"], "L=8"),
         (["data.max_length=16"], "empty after filtering"),
         (["data.max_length=100000"], "exceeds the target's context window (8192 tokens); lower data.max_length"),

@@ -76,11 +76,15 @@ def check_aux_layer_ids(ids, num_target_layers: int = 0) -> None:
             f"drafter.aux_layer_ids {ids} must be sorted and unique (vLLM reads them in ascending "
             f"order, once each); use {sorted(set(ids))}"
         )
-    top = num_target_layers - 1 if num_target_layers else None
-    if ids[0] < 1 or (top is not None and ids[-1] > top):
+    if ids[0] < 1:
         raise ValueError(
-            f"drafter.aux_layer_ids {ids} out of range: the target has L={num_target_layers or '?'} "
-            f"layers, ids must be in 1..{top if top is not None else 'L-1'}"
+            f"drafter.aux_layer_ids {ids}: ids must be in 1..L-1 (id k is the state after k layers; "
+            "0 would be the embeddings)"
+        )
+    if num_target_layers and ids[-1] > num_target_layers - 1:
+        raise ValueError(
+            f"drafter.aux_layer_ids {ids} out of range: the target has L={num_target_layers} layers, "
+            f"ids must be in 1..{num_target_layers - 1}"
         )
 
 
