@@ -82,30 +82,24 @@ def vllm_wanted(cfg: RunConfig) -> bool:
 def held_out_in_vllm(cfg: RunConfig, run_dir: Path, drafter: Eagle3Drafter, serving: Serving, features) -> VllmReport:
     """`evaluate_in_vllm` with the run's settings, on its exported drafter."""
     v, K = cfg.eval.vllm, max_k(cfg)
-    try:
-        return evaluate_in_vllm(
-            drafter,
-            run_dir / "drafter",
-            serving.path,
-            features,
-            ks=v.ks or list(range(1, K + 1)),
-            throughput_ks=[cfg.train.ttt_steps] if v.throughput_ks is None else v.throughput_ks,
-            concurrencies=v.concurrencies,
-            num_prompts=v.num_prompts,
-            throughput_prompts=v.throughput_prompts,
-            max_new_tokens=cfg.eval.max_new_tokens,
-            dtype=cfg.target.dtype,
-            max_model_len=serving.max_model_len,
-            suite=cfg.eval.prompts,
-            workdir=run_dir / "vllm",
-            enforce_eager=v.enforce_eager,
-            timeout=v.timeout_s,
-        )
-    except EaglelabError as e:
-        raise EaglelabError(
-            f"{e} — the drafter is kept in {run_dir / 'drafter'}; evaluate it again with "
-            f"`python src/run.py checkpoint={run_dir}`"
-        ) from None
+    return evaluate_in_vllm(
+        drafter,
+        run_dir / "drafter",
+        serving.path,
+        features,
+        ks=v.ks or list(range(1, K + 1)),
+        throughput_ks=[cfg.train.ttt_steps] if v.throughput_ks is None else v.throughput_ks,
+        concurrencies=v.concurrencies,
+        num_prompts=v.num_prompts,
+        throughput_prompts=v.throughput_prompts,
+        max_new_tokens=cfg.eval.max_new_tokens,
+        dtype=cfg.target.dtype,
+        max_model_len=serving.max_model_len,
+        suite=cfg.eval.prompts,
+        workdir=run_dir / "vllm",
+        enforce_eager=v.enforce_eager,
+        timeout=v.timeout_s,
+    )
 
 
 def evenly_spaced(n_total: int, n: int) -> list[int]:

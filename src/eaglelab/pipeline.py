@@ -28,7 +28,7 @@ from eaglelab.io import atomic_write_text, write_csv
 from eaglelab.plots import plot_acceptance, plot_speedup
 from eaglelab.rundir import RunRecord, adopt_trained_settings, begin_attempt, end_attempt, is_primary
 from eaglelab.suites import SuiteInputs, check_suites, evaluate_suites, prepare_suites
-from eaglelab.targets import Target, load_target
+from eaglelab.targets import Target, TargetWeights, load_target
 from eaglelab.vllm_engine import require_vllm, vllm_available
 
 log = logging.getLogger("eaglelab")
@@ -115,7 +115,7 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
     check_fits_target(cfg, target)
     weights = target.weights()
     # 1. The drafter's config: built for this target, or the checkpoint's when only evaluating.
-    drafter = load_to_evaluate(cfg, target) if cfg.checkpoint else None
+    drafter = load_to_evaluate(cfg, target, weights) if cfg.checkpoint else None
     model_cfg = drafter.cfg if drafter else build_model_config(cfg, target)
     record.target, record.target_path = target.fingerprint, str(target.path)
     record.checkpoint = str(Path(cfg.checkpoint).resolve()) if cfg.checkpoint else None
@@ -156,23 +156,30 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
     with timer("evaluate"):
         by_k, by_pos = evaluate_held_out(cfg, run_dir, drafter, data.held_out, metrics)
     if use_vllm:
-        with timer("evaluate_vllm"):
+        with timer("evaluate_vllm"), drafter_kept(run_dir):
             by_k = evaluate_held_out_in_vllm(cfg, run_dir, drafter, serving, data.held_out, by_k, by_pos, metrics)
     plot_acceptance(run_dir, f"{cfg.variant} (seed {cfg.train.seed})")
     # 6. Suites: extrapolation, drift, long context, templates.
-    with timer("suites"):
-        try:
-            metrics.update(
-                evaluate_suites(cfg, drafter, data.suites, data.held_out, by_k, run_dir, serving if use_vllm else None)
-            )
-        except EaglelabError as e:
-            raise EaglelabError(
-                f"{e} — the drafter is kept in {run_dir / 'drafter'}; evaluate it again with "
-                f"`python src/run.py checkpoint={run_dir}`"
-            ) from None
+    with timer("suites"), drafter_kept(run_dir):
+        metrics.update(
+            evaluate_suites(cfg, drafter, data.suites, data.held_out, by_k, run_dir, serving if use_vllm else None)
+        )
     timer.seconds["total"] = time.time() - record.started
     metrics.update({f"time/{k}_s": v for k, v in timer.seconds.items()})
     return metrics
+
+
+@contextlib.contextmanager
+def drafter_kept(run_dir: Path):
+    """An evaluation that fails after the export: the error also says where the drafter is and how to
+    evaluate it again."""
+    try:
+        yield
+    except EaglelabError as e:
+        raise EaglelabError(
+            f"{e} — the drafter is kept in {run_dir / 'drafter'}; evaluate it again with "
+            f"`python src/run.py checkpoint={run_dir}`"
+        ) from None
 
 
 def check_fits_target(cfg: RunConfig, target: Target) -> None:
@@ -198,11 +205,11 @@ def build_model_config(cfg: RunConfig, target: Target) -> Eagle3Config:
         raise ConfigError(str(e)) from None
 
 
-def load_to_evaluate(cfg: RunConfig, target: Target) -> Eagle3Drafter:
+def load_to_evaluate(cfg: RunConfig, target: Target, weights: TargetWeights) -> Eagle3Drafter:
     """Evaluation only: the drafter (and its shape) come from the checkpoint; a window may be set for inference."""
     drafter = load_checkpoint(
         Path(cfg.checkpoint),
-        target.weights().embed.float(),
+        weights.embed.float(),
         TargetShape(target.hidden_size, target.vocab_size, target.num_layers),
     )
     if cfg.drafter.attention_window is not None:  # a window at inference only: the long-context knob
