@@ -20,9 +20,9 @@ import torch
 
 from eaglelab.config import TargetConfig
 from eaglelab.data.capture import capture_batch
-from eaglelab.data.prepare import bf16_bits
 from eaglelab.data.prompts import humaneval_prompts
 from eaglelab.data.regenerate import generate
+from eaglelab.data.store import bf16_bits
 from eaglelab.data.templates import template_prompt
 from eaglelab.targets import load_target
 

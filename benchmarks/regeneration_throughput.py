@@ -4,7 +4,7 @@
 
 Both sides generate greedily the same training prompts (chat-templated) with the same budget. HF is
 eaglelab's KV-cache loop without capture (`generate`, batch `--batch`); vLLM runs in its own process
-with continuous batching of all prompts (`generate_vllm`). vLLM's figure is reported with and without
+with continuous batching of all prompts (`generate_vllm`, one shard). vLLM's figure is reported with and without
 its engine start (one start per regeneration in practice). Runs alternate HF/vLLM. `--json` writes
 the figures.
 """
@@ -42,13 +42,14 @@ def main():
     hf_tps, vllm_tps, vllm_total_tps, agree = [], [], [], []
     for rep in range(args.repeats):
         t0 = time.perf_counter()
-        hf = {i: r for i, r, _ in generate(target, prompts, args.tokens, limit, args.batch, desc="HF generate")}
+        hf = {i: r for i, r, _ in generate(target, prompts, args.tokens, limit, args.batch)}
         hf_s = time.perf_counter() - t0
         hf_tokens = sum(len(r) for r in hf.values())
         hf_tps.append(hf_tokens / hf_s)
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
-            out, result_s = generate_vllm(target, prompts, args.tokens, limit, Path(tmp))
+            by_shard, result_s = generate_vllm(target, {0: prompts}, args.tokens, limit, Path(tmp))
+            out = by_shard[0]
             total_s = time.perf_counter() - t0
         v_tokens = sum(len(r) for r in out)
         vllm_tps.append(v_tokens / result_s)

@@ -133,3 +133,116 @@ def test_malformed_jsonl_row_is_named_by_line(cache_dir, tmp_path):
     proc = run_cli([*SMOKE, f"data.sources=[jsonl:{data}]"], cache_dir, tmp_path / "results")
     assert proc.returncode == 2
     assert f"{data}:2" in error_line(proc.returncode, proc.stderr)
+
+
+# Llama-3.1-70B's shape: 70.55 B parameters, 141.1 GB in bfloat16
+LLAMA_70B = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    hidden_size=8192,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    intermediate_size=28672,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+)
+
+
+def test_a_target_too_large_for_memory_is_refused_before_its_weights_are_read(cache_dir, tmp_path):
+    """A folder with only config.json: the check needs no weights (a 70 B target's would take minutes to read
+    and then be killed by the kernel), so it fails with the size, the device and the fix, not 'cannot load'."""
+    import torch
+
+    from eaglelab.targets import WEIGHTS_SHARE_OF_FREE, free_memory
+
+    free = free_memory(torch.device("cpu"))
+    if free is not None and 2 * 70_553_706_496 <= WEIGHTS_SHARE_OF_FREE * free:
+        pytest.skip(f"this machine has {free / 1e9:.0f} GB free: a 70 B target fits")
+    big = tmp_path / "llama-70b"
+    big.mkdir()
+    (big / "config.json").write_text(json.dumps(LLAMA_70B))
+    proc = run_cli([*SMOKE, "target=hf", f"target.name_or_path={big}"], cache_dir, tmp_path / "results")
+    line = error_line(proc.returncode, proc.stderr)
+    assert "70.6 B parameters, 141.1 GB in bfloat16) does not fit cpu (" in line
+    assert "GB free" in line and "a smaller target" in line
+    assert_nothing_looks_complete(tmp_path / "results")
+
+
+def test_the_size_estimate_counts_what_loading_gives(cache_dir, tmp_path):
+    """The meta-device estimate equals the loaded target (tied embeddings once), and a 70 B config is 70.55 B."""
+    import torch
+
+    from eaglelab.targets import load_target, target_size
+
+    from conftest import compose
+
+    cfg = compose(SMOKE, cache_dir, tmp_path).target
+    target = load_target(cfg, cache_dir)
+    size = target_size(target.path, cfg.dtype)
+    assert size.parameters == sum(p.numel() for p in target.model.parameters())
+    assert size.bytes == sum(p.numel() * p.element_size() for p in target.model.parameters())
+    assert target.device == torch.device("cpu")
+    (tmp_path / "big").mkdir()
+    (tmp_path / "big" / "config.json").write_text(json.dumps(LLAMA_70B))
+    big = target_size(tmp_path / "big", "float32")
+    assert (big.architecture, big.parameters, big.bytes) == ("LlamaForCausalLM", 70_553_706_496, 4 * 70_553_706_496)
+
+
+def test_the_fit_check_names_size_device_and_fix():
+    import torch
+
+    from eaglelab.errors import TargetError
+    from eaglelab.targets import TargetSize, check_fits
+
+    size = TargetSize("LlamaForCausalLM", 10**9, "float32")  # 4 GB
+    check_fits(size, torch.device("cuda", 0), int(4e9 / 0.9) + 1)  # within the 90% the weights may take
+    check_fits(size, torch.device("cpu"), None)  # free memory unknown: not checked
+    with pytest.raises(TargetError) as e:
+        check_fits(size, torch.device("cuda", 1), int(4e9), "/models/x")
+    message = str(e.value)
+    assert "\n" not in message
+    assert "target /models/x (LlamaForCausalLM, 1.0 B parameters, 4.0 GB in float32) does not fit cuda:1" in message
+    assert "(4.0 GB free;" in message and "target.dtype=bfloat16" in message and "4.4 GB free" in message
+
+
+def test_the_target_goes_where_training_runs(monkeypatch):
+    import torch
+
+    from eaglelab.errors import TargetError
+    from eaglelab.targets import target_device
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("SLURM_LOCALID", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert target_device("cpu") == target_device("tpu") == target_device("auto") == torch.device("cpu")
+    with pytest.raises(TargetError, match=r"train.accelerator=gpu but CUDA is not available .*train.accelerator=cpu"):
+        target_device("gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert target_device("cuda") == target_device("auto") == torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_RANK", "1")  # a DDP process: its own copy on its own device
+    assert target_device("gpu") == torch.device("cuda", 1)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(TargetError, match="local rank 2 but only 2 CUDA device"):
+        target_device("gpu")
+
+
+def test_a_cgroup_limit_counts_as_the_memory_free(tmp_path):
+    """In a Slurm job or a container the cgroup limit, not the machine's free memory, is what the target gets."""
+    from eaglelab.targets import _cgroup_free
+
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/job_7/step_0\n")
+    job = tmp_path / "fs" / "job_7"
+    (job / "step_0").mkdir(parents=True)
+    (tmp_path / "fs" / "cgroup.controllers").write_text("memory\n")
+    (job / "step_0" / "memory.max").write_text("max\n")  # the limit sits on the job, not on its step
+    (job / "memory.max").write_text(f"{8 << 30}\n")
+    (job / "memory.current").write_text(f"{3 << 30}\n")
+    (job / "memory.stat").write_text(f"anon {2 << 30}\ninactive_file {1 << 30}\n")
+    assert _cgroup_free(proc, tmp_path / "fs") == 6 << 30  # 8 GiB - 3 GiB used + 1 GiB reclaimable cache
+    proc.write_text("0::/\n")
+    assert _cgroup_free(proc, tmp_path / "fs") is None

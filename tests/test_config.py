@@ -86,6 +86,9 @@ def test_defaults_and_smoke_experiment(tmp_path):
     )
     smoke = compose(["experiment=smoke"], tmp_path, tmp_path / "r")
     assert smoke.target.kind == "tiny"
+    assert cfg.features.kind == "cached" and cfg.data.shard_size == 128
+    for kind in ("online", "hybrid"):  # the features group
+        assert compose([f"features={kind}"], tmp_path, tmp_path / "r").features.kind == kind
 
 
 def test_suites_are_config_group_entries(tmp_path):
@@ -124,6 +127,7 @@ def test_suites_are_config_group_entries(tmp_path):
         ("drafter.aux_layer_ids=[15,2,27]", r"must be sorted and unique .*; use \[2, 15, 27\]"),
         ("drafter.aux_layer_ids=[]", "drafter.aux_layer_ids is empty"),
         ("drafter.aux_layer_ids=[0,2]", "ids must be in 1..L-1"),
+        ("data.shard_size=0", "data.shard_size must be > 0"),
     ],
 )
 def test_bad_values_fail_with_the_key_named(override, message, tmp_path):
@@ -139,6 +143,7 @@ def test_bad_values_fail_with_the_key_named(override, message, tmp_path):
         ("target.dtype=int4", "'bfloat16'"),
         ("logger.mode=live", "'offline'"),
         ("data.regen_backend=sglang", "'vllm'"),
+        ("features.kind=streamed", "'hybrid'"),
     ],
 )
 def test_fixed_choices_are_rejected_by_composition_with_the_choices_listed(override, choices, tmp_path):

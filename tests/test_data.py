@@ -1,13 +1,14 @@
 """Data stages on the tiny target: generation equals HF greedy `generate`, fused capture equals a
 separate full-forward capture, the cache is keyed and reused, the draft vocab is frequency-ranked."""
 
+import json
 import shutil
 
 import pytest
 import torch
 
 from eaglelab.config import TargetConfig
-from eaglelab.data.prepare import from_bits, prepare_features
+from eaglelab.data.prepare import prepare_features
 from eaglelab.data.prompts import humaneval_prompts, jsonl_prompts, mix_sources
 from eaglelab.data.regenerate import generate
 from eaglelab.data.templates import template_prompt
@@ -39,16 +40,17 @@ def test_fused_capture_equals_a_separate_forward(tiny, tmp_path):
     shutil.rmtree(tmp_path / "features")  # force the separate capture pass over the cached regeneration
     separate, stats2 = prepare_features(tiny, prompts, cache_dir=tmp_path, **kw)
     assert stats2.regen_cached and not stats2.capture_cached
-    by_ids = {tuple(r["input_ids"]): r for r in separate.with_format("numpy")}
-    for row in fused.with_format("numpy"):
-        other = by_ids[tuple(row["input_ids"])]
-        a, b = from_bits(row["aux"]).float(), from_bits(other["aux"]).float()
+    assert fused["input_ids"] == separate["input_ids"]  # the same rows, in the same (length) order
+    for i in range(len(fused)):
+        row, other = fused.item(i), separate.item(i)
+        a, b = row["aux"].float(), other["aux"].float()
         assert a.shape == b.shape == (len(row["input_ids"]), 3 * 128)
         assert torch.allclose(a, b, rtol=2e-2, atol=2e-2)
-        p = int(row["prompt_len"])  # labels start at the last prompt position (the first drafting one)
-        assert (row["target_next"][p - 1 :] == other["target_next"][p - 1 :]).mean() > 0.95
+        p = row["prompt_len"]  # labels start at the last prompt position (the first drafting one)
+        assert (row["target_next"][p - 1 :] == other["target_next"][p - 1 :]).float().mean() > 0.95
         # Generated tokens are the target's greedy choice at the previous position.
-        assert list(row["target_next"][p - 1 : -1]) == list(row["input_ids"][p:])
+        assert row["target_next"][p - 1 : -1].tolist() == row["input_ids"][p:].tolist()
+        assert "final" not in row and not fused.states.with_final  # stored only when the loss reads it
     _, stats3 = prepare_features(tiny, prompts, cache_dir=tmp_path, **kw)
     assert stats3.regen_cached and stats3.capture_cached  # third time: all from cache
     _, stats4 = prepare_features(tiny, prompts, cache_dir=tmp_path, **{**kw, "max_new_tokens": 11})
@@ -118,5 +120,92 @@ def test_vllm_regeneration_backend_matches_hf(tiny, tmp_path):
     hf_seqs = {tuple(r) for r in hf["input_ids"]}
     same = sum(tuple(r) in hf_seqs for r in vl["input_ids"])
     assert same == len(prompts), f"{same}/{len(prompts)} identical greedy sequences"
-    for row in vl.with_format("numpy"):
+    for i in range(len(vl)):
+        row = vl.item(i)
         assert len(row["aux"]) == len(row["input_ids"]) == len(row["target_next"])
+
+
+KILLED_PREPARATION = """
+import sys
+from eaglelab.config import TargetConfig
+from eaglelab.data.prepare import prepare_features
+from eaglelab.data.prompts import mix_sources
+from eaglelab.targets import load_target
+
+tiny = load_target(TargetConfig(kind="tiny", dtype="float32"), sys.argv[1])
+prompts = mix_sources(["stdlib_docstrings"], 16, seed=3)
+kw = dict(name="t", aux_layer_ids=[2, 4, 5], system_prompt=None, max_new_tokens=48, max_length=512, batch_size=1)
+prepare_features(tiny, prompts, cache_dir=sys.argv[2], shard_size=1, **kw)
+"""
+
+
+def test_a_killed_regeneration_keeps_its_finished_shards(tiny, cache_dir, tmp_path):
+    """SIGKILL in the middle of regeneration: the next attempt regenerates only the shards not yet whole."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from eaglelab.data.prompts import mix_sources
+
+    script = tmp_path / "prepare.py"
+    script.write_text(KILLED_PREPARATION)
+    proc = subprocess.Popen([sys.executable, str(script), str(cache_dir), str(tmp_path / "data")])
+    shards = lambda: list((tmp_path / "data" / "regen").glob("*/shard-*.arrow"))
+    deadline = time.time() + 300
+    while len(shards()) < 3 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = len(shards())
+    assert 3 <= done < 16, f"killed after {done} of 16 shards"
+    assert not list((tmp_path / "data" / "regen").glob("*/complete.json"))  # not usable half-done
+
+    prompts = mix_sources(["stdlib_docstrings"], 16, seed=3)
+    kw = dict(name="t", aux_layer_ids=[2, 4, 5], system_prompt=None, max_new_tokens=48, max_length=512, batch_size=1)
+    data, stats = prepare_features(tiny, prompts, cache_dir=tmp_path / "data", shard_size=1, **kw)
+    assert stats.shards == 16 and stats.shards_regenerated == 16 - done
+    fresh, _ = prepare_features(tiny, prompts, cache_dir=tmp_path / "fresh", shard_size=1, **kw)
+    assert data["input_ids"] == fresh["input_ids"]  # resuming changes nothing
+    for i in range(len(data)):  # the states of shards captured before and after the kill
+        assert torch.equal(data.item(i)["aux"], fresh.item(i)["aux"])
+
+
+def test_hybrid_states_survive_a_killed_first_epoch(tiny, tmp_path):
+    """Hybrid features: an attempt killed mid-epoch leaves a shard without its rows list (unused) — the next
+    attempt records the batches it sees and, when publishing, computes the sequences no whole shard holds. The
+    published entry equals the states online features compute, row for row, and a cached preparation of the
+    same set then reuses it."""
+    from torch.utils.data import DataLoader
+
+    from eaglelab.batches import FeatureDataset, HybridStates, OnlineStates, collate
+
+    prompts = mix_sources(["stdlib_docstrings"], 6, seed=4)
+    kw = dict(name="t", aux_layer_ids=[2, 4, 5], system_prompt=None, max_new_tokens=10, max_length=512, batch_size=6)
+    seqs, _ = prepare_features(tiny, prompts, cache_dir=tmp_path, features="hybrid", **kw)
+    assert seqs.states is None
+    online = OnlineStates(tiny.model, [2, 4, 5], with_final=False)
+    batches = list(DataLoader(FeatureDataset(seqs, range(len(seqs)), False), batch_size=2, collate_fn=collate))
+
+    killed = HybridStates(seqs, seqs.states_dir, False, run_id="r")
+    killed.record(online(batches[0]))  # then SIGKILL: its writer is never closed
+    resumed = HybridStates(seqs, seqs.states_dir, False, run_id="r")
+    resumed.record(online(batches[1]))
+    resumed.publish(online, torch.device("cpu"), barrier=lambda: None, primary=True, batch_size=2)
+    assert resumed.published and seqs.states is not None
+    shards = json.loads((seqs.states_dir / "complete.json").read_text())["shards"]
+    assert sorted(r for s in shards for r in s["rows"]) == list(range(len(seqs)))
+    assert [len(s["rows"]) for s in shards] == [2, len(seqs) - 2]  # the resumed shard + the ones computed at the end
+    assert not list(seqs.states_dir.parent.glob(".*partial*"))
+    assert {p.name for p in seqs.states_dir.glob("*.arrow")} == {s["file"] for s in shards}  # no unused shard
+    assert not [p for p in seqs.states_dir.iterdir() if ".tmp-" in p.name]  # nor the killed writer's file
+    for batch in batches:
+        ref = online(batch)
+        for b, i in enumerate(batch.index.tolist()):
+            n = int(batch.seq_len[b])
+            stored = seqs.states.read(i)
+            assert torch.equal(stored["aux"], ref.aux[b, :n].to(torch.bfloat16))
+            assert torch.equal(stored["target_next"], ref.target_next[b, :n])
+    _, stats = prepare_features(tiny, prompts, cache_dir=tmp_path, features="cached", **kw)
+    assert stats.capture_cached  # cached's entry is the one hybrid published

@@ -155,12 +155,15 @@ def test_ctrl_c_during_data_preparation_leaves_no_partial_cache_and_the_rerun_co
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=120) != 0
     assert json.loads((run_dir / "run.json").read_text())["status"] == "interrupted"
-    assert cache_entries(cache) == {"regen": [], "features": []}  # nothing was half-made under a final name
+    assert not list(cache.glob("*/*/complete.json"))  # no entry is taken for whole (finished shards are kept)
+    assert not [p for p in cache.rglob("shard-*.arrow") if p.stat().st_size == 0]
     done = run_cli(args, cache, tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     entries = cache_entries(cache)
     assert len(entries["regen"]) == 2 and len(entries["features"]) == 2  # training data + held-out prompts
-    assert all((e / "data.arrow").is_file() and (e / "meta.json").is_file() for e in sum(entries.values(), []))
+    assert all(
+        (e / "shard-00000.arrow").is_file() and (e / "complete.json").is_file() for e in sum(entries.values(), [])
+    )
     assert not [p for p in cache.rglob(".*.tmp-*")]
 
 

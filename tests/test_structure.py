@@ -29,6 +29,7 @@ RANK = {
     "eaglelab.targets": 2,
     "eaglelab.data.regenerate": 2,
     "eaglelab.data.capture": 2,
+    "eaglelab.data.store": 2,
     "eaglelab.data.prepare": 2,
     "eaglelab.data.vocab": 2,
     # 3: train

@@ -68,26 +68,35 @@ def test_query_blocking_changes_nothing(monkeypatch):
 
 
 def features_for(model, n=3, T=24, seed=0):
-    """Captured-feature rows (the cache's format) with random aux states of very different scales."""
-    import datasets
+    """Captured sequences (the cache's stores, in a temporary folder) with random aux states of very different
+    scales."""
+    import tempfile
+    from pathlib import Path
 
-    from eaglelab.data.prepare import bf16_bits
+    from eaglelab.data.store import (
+        Sequences,
+        StateStore,
+        StateWriter,
+        TokenStore,
+        mark_complete,
+        shard_name,
+        state_shards_meta,
+        write_token_shard,
+    )
 
     g = torch.Generator().manual_seed(seed)
     H = model.cfg.target_hidden_size
-    rows = []
-    for i in range(n):
-        scale = torch.tensor([1.0, 10.0, 100.0]).repeat_interleave(H)
-        rows.append(
-            {
-                "input_ids": torch.randint(0, 50, (T,), generator=g).tolist(),
-                "prompt_len": 6 + i,
-                "is_val": False,
-                "aux": bf16_bits(torch.randn(T, 3 * H, generator=g) * scale),
-                "target_next": [0] * T,
-            }
-        )
-    return datasets.Dataset.from_list(rows)
+    root = Path(tempfile.mkdtemp())
+    tokens = []
+    with StateWriter(root / "states" / shard_name(0), with_final=False) as writer:
+        for i in range(n):
+            scale = torch.tensor([1.0, 10.0, 100.0]).repeat_interleave(H)
+            tokens.append((torch.randint(0, 50, (T,), generator=g).tolist(), 6 + i, False))
+            writer.write(i, torch.randn(T, 3 * H, generator=g) * scale, torch.zeros(T, dtype=torch.long))
+    write_token_shard(root / "tokens" / shard_name(0), tokens)
+    mark_complete(root / "tokens", {"shards": 1})
+    mark_complete(root / "states", state_shards_meta([(shard_name(0), list(range(n)))], with_final=False))
+    return Sequences(TokenStore(root / "tokens"), StateStore(root / "states"))
 
 
 @pytest.mark.parametrize("norm_output", [False, True])

@@ -87,6 +87,52 @@ def test_eagle3_export_loads_in_vllm(cache_dir, tmp_path):
     assert abs(float(parity["relative_difference"])) <= 0.03, parity
 
 
+def simulated_tau(run_dir, k):
+    (row,) = [r for r in read_csv(run_dir / "acceptance.csv") if r["evaluator"] == "simulated" and int(r["k"]) == k]
+    return float(row["acceptance_length"])
+
+
+def test_non_default_aux_layer_ids_draft_in_vllm(cache_dir, tmp_path):
+    """A drafter trained on non-default aux layers: vLLM takes the ids from the exported config.json and
+    reproduces the simulated τ. Had vLLM fallen back to its default ids (2, L//2, L-3), it would feed these
+    weights the default layers' states: that is what the simulated evaluator measures when the same weights
+    are relabelled with the default ids, and the test requires that τ to be far from the trained one, so a
+    fallback cannot pass the parity check (docs/conventions.md#aux-layer-convention)."""
+    aux = [1, 3, 6]  # the tiny target (L = 8): vLLM's default is [2, 4, 5], no id shared
+    no_extras = ["eval.suites.extrapolation.enabled=false", "eval.suites.drift.enabled=false"]  # k = 1..K only
+    # The smoke drafter (10 steps) predicts from the tokens alone: its τ is the same with any aux ids, so a
+    # fallback would go unseen. 30 steps (this seed) make it lean on the aux states.
+    trained = ["experiment=smoke", "train.epochs=6", "train.seed=1", f"drafter.aux_layer_ids={aux}"]
+    vllm = ["eval.vllm.enabled=true", f"eval.vllm.ks=[{K}]", "eval.vllm.throughput_ks=[]"]
+    run_dir = run(compose([*trained, *vllm, *no_extras], cache_dir, tmp_path / "aux"))
+    exported = json.loads((run_dir / "drafter/config.json").read_text())
+    assert exported["eagle_aux_hidden_state_layer_ids"] == exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert exported["eagle_aux_hidden_state_layer_ids"] == aux
+    L = exported["eaglelab"]["target_num_layers"]
+    default = sorted({2, L // 2, L - 3})  # vLLM's fallback (Target.default_aux_layer_ids)
+    assert L == 8 and set(aux).isdisjoint(default)
+
+    # The fallback's τ: the same weights on the default layers' states (simulated evaluator, no training).
+    relabelled = tmp_path / "relabelled"
+    relabelled.mkdir()
+    (relabelled / "model.safetensors").write_bytes((run_dir / "drafter/model.safetensors").read_bytes())
+    exported["eagle_aux_hidden_state_layer_ids"] = exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = (
+        default
+    )
+    (relabelled / "config.json").write_text(json.dumps(exported))
+    fallback = ["experiment=smoke", f"checkpoint={relabelled}", "eval.vllm.enabled=false", *no_extras]
+    tau_default = simulated_tau(run(compose(fallback, cache_dir, tmp_path / "fallback")), K)
+
+    (parity,) = read_csv(run_dir / "parity.csv")
+    tau_sim, tau_vllm = float(parity["tau_simulated"]), float(parity["tau_vllm"])
+    print(f"k={K}: tau_sim={tau_sim:.4f} tau_vllm={tau_vllm:.4f} tau_sim(default ids {default})={tau_default:.4f}")
+    # A fallback would put τ_vLLM at τ_default: more than 3x the parity tolerance away.
+    assert abs(tau_default - tau_sim) / tau_default > 0.1, f"aux ids barely matter to this drafter: {parity}"
+    assert int(parity["drafts_vllm"]) > 0 and float(parity["same_output_share"]) == 1.0
+    said = [ln for ln in (run_dir / "vllm/vllm.log").read_text().splitlines() if "auxiliary layers" in ln]
+    assert abs(float(parity["relative_difference"])) <= 0.03, (parity, said)  # vLLM names the layers it used
+
+
 def test_standalone_export_of_a_lightning_checkpoint(evaluated_run, tmp_path):
     out = tmp_path / "exported"
     assert export_main([str(evaluated_run / "lightning" / "last.ckpt"), str(out)]) == 0

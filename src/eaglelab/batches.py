@@ -7,55 +7,61 @@ from the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from eaglelab.acceptance import AcceptanceCounts, simulate
-from eaglelab.data.prepare import from_bits
+from eaglelab.data.capture import capture_states
+from eaglelab.data.store import Sequences, StateStore, StateWriter, is_complete, mark_complete, state_shards_meta
 from eaglelab.drafter import Eagle3Drafter
+from eaglelab.io import atomic_write_json, file_lock
 
 
 # --- data ------------------------------------------------------------------------------------
 class FeatureDataset(Dataset):
-    """Captured sequences held in memory as bf16 tensors (a few hundred MB for the default run)."""
+    """Sequences of a prepared set, read one at a time from the stores (never the whole split in memory).
+    Items carry their states when the set has them and `with_states`; otherwise the target computes them
+    in the training step (online features, `OnlineStates`)."""
 
-    def __init__(self, features, indices: list[int], with_final: bool):
-        rows = features.select(indices).with_format("numpy")
-        self.items = []
-        for r in rows:
-            item = {
-                "input_ids": torch.from_numpy(r["input_ids"].astype("int64")),
-                "target_next": torch.from_numpy(r["target_next"].astype("int64")),
-                "prompt_len": int(r["prompt_len"]),
-                "aux": from_bits(r["aux"]),
-            }
-            if with_final:
-                item["final"] = from_bits(r["final"])
-            self.items.append(item)
+    def __init__(self, sequences: Sequences, indices: list[int], with_final: bool, with_states: bool = True):
+        self.sequences, self.indices = sequences, list(indices)
+        self.with_final, self.with_states = with_final, with_states
 
     def __len__(self):
-        return len(self.items)
+        return len(self.indices)
 
     def __getitem__(self, i):
-        return self.items[i]
+        return self.sequences.item(self.indices[i], with_states=self.with_states, with_final=self.with_final)
 
 
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # [B, T]
-    target_next: torch.Tensor  # [B, T]
-    aux: torch.Tensor  # [B, T, n·H_t] float32
-    final: torch.Tensor | None  # [B, T, H_t] target post-norm state (KL only)
     prompt_len: torch.Tensor  # [B]
     seq_len: torch.Tensor  # [B]
+    index: torch.Tensor  # [B] the sequences' rows in their store
+    target_next: torch.Tensor | None = None  # [B, T] target's greedy next token (None until states are known)
+    aux: torch.Tensor | None = None  # [B, T, n·H_t] float32
+    final: torch.Tensor | None = None  # [B, T, H_t] target post-norm state (KL only)
 
     @property
     def first(self) -> torch.Tensor:
         """[B] the first verified position an engine drafts from: the prompt's last token."""
         return self.prompt_len - 1
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """[B, T] 1 inside each sequence, 0 on the right padding."""
+        pos = torch.arange(self.input_ids.shape[1], device=self.input_ids.device)
+        return (pos < self.seq_len[:, None]).long()
 
     def drafting(self, j: int) -> torch.Tensor:
         """[B, T] positions t that draft (t >= P-1) and whose j-th draft x_{t+j+1} is in the sequence."""
@@ -67,20 +73,126 @@ def collate(items: list[dict]) -> Batch:
     T = max(len(it["input_ids"]) for it in items)
 
     def pad(key, value=0):
+        if key not in items[0]:
+            return None
         out = []
         for it in items:
             x = it[key]
             out.append(F.pad(x, (0, 0, 0, T - len(x)) if x.dim() == 2 else (0, T - len(x)), value=value))
         return torch.stack(out)
 
+    aux, final = pad("aux"), pad("final")
     return Batch(
         input_ids=pad("input_ids"),
-        target_next=pad("target_next"),
-        aux=pad("aux").float(),
-        final=pad("final").float() if "final" in items[0] else None,
         prompt_len=torch.tensor([it["prompt_len"] for it in items]),
         seq_len=torch.tensor([len(it["input_ids"]) for it in items]),
+        index=torch.tensor([it["index"] for it in items]),
+        target_next=pad("target_next", value=-1),
+        aux=aux.float() if aux is not None else None,
+        final=final.float() if final is not None else None,
     )
+
+
+class OnlineStates:
+    """Online features: the frozen target inside the training step. It runs on the batch's device, in its own
+    dtype (never under the trainer's autocast), without gradients, and fills in what a cache would have held:
+    the aux states, the post-norm state (KL only) and the greedy labels. Aux-layer and fc_norm ablations then
+    share one token cache instead of each capturing terabytes."""
+
+    def __init__(self, model: torch.nn.Module, aux_layer_ids: list[int], with_final: bool):
+        self.model, self.aux_layer_ids, self.with_final = model, list(aux_layer_ids), with_final
+
+    @torch.no_grad()
+    def __call__(self, batch: Batch) -> Batch:
+        device = batch.input_ids.device
+        if next(self.model.parameters()).device != device:
+            self.model.to(device)  # each process's copy, where it trains (a no-op once placed)
+        with torch.autocast(device.type, enabled=False):
+            aux, final, nxt = capture_states(
+                self.model, batch.input_ids, batch.attention_mask, self.aux_layer_ids, batch.first
+            )
+        return replace(
+            batch,
+            target_next=nxt,
+            aux=aux.float(),
+            final=final.float() if self.with_final else None,
+        )
+
+
+class HybridStates:
+    """Hybrid features: the states the target computes online in the first epoch are written as they come (one
+    state shard per process and attempt, each with its rows), and at the end of that epoch published as the
+    set's state store, where the later epochs (and other trials with the same cache key: it is `cached`'s
+    entry) read them. Sequences no process saw (a resumed epoch, a dropped last batch) are computed then."""
+
+    def __init__(self, sequences: Sequences, folder: Path, with_final: bool, run_id: str):
+        self.sequences, self.folder, self.with_final = sequences, Path(folder), with_final
+        self.partial = self.folder.parent / f".{self.folder.name}.partial-{run_id}"  # this run's processes
+        self.writer: StateWriter | None = None
+        self.seen: set[int] = set()
+
+    @property
+    def published(self) -> bool:
+        return self.sequences.states is not None
+
+    def record(self, batch: Batch) -> None:
+        if self.published:
+            return
+        if self.writer is None:
+            self.partial.mkdir(parents=True, exist_ok=True)
+            self.writer = StateWriter(self.partial / f"{uuid.uuid4().hex}.arrow", self.with_final)
+        self._write(self.writer, batch)
+
+    def publish(self, online: OnlineStates, device: torch.device, barrier, primary: bool, batch_size: int) -> None:
+        if self.published:
+            return
+        if self.writer is not None:  # its rows are written after it: a shard without them is not used
+            rows = self.writer.close()
+            atomic_write_json(self.partial / f"{self.writer.path.name}.rows.json", rows)
+            self.writer = None
+        barrier()
+        if primary:
+            self._publish(online, device, batch_size)
+        barrier()
+        self.sequences.states = StateStore(self.folder)
+
+    def _publish(self, online: OnlineStates, device: torch.device, batch_size: int) -> None:
+        # Under the entry's lock, as `cached` preparation writes it: a whole entry is never replaced.
+        with file_lock(self.folder.parent.parent / "locks" / f"features-{self.folder.name}.lock"):
+            if is_complete(self.folder):  # another trial published (or captured) it first: theirs stands
+                shutil.rmtree(self.partial, ignore_errors=True)
+                return
+            shards = [(p.name, json.loads((self.partial / f"{p.name}.rows.json").read_text())) for p in self._done()]
+            covered = {i for _, rows in shards for i in rows}
+            missing = [i for i, row in enumerate(self.sequences.rows) if row not in covered]
+            if missing:  # computed now, in the order a loader would batch them
+                data = FeatureDataset(self.sequences, missing, self.with_final, with_states=False)
+                with StateWriter(self.partial / "rest.arrow", self.with_final) as writer:
+                    for batch in DataLoader(data, batch_size=batch_size, collate_fn=collate):
+                        self._write(writer, online(move(batch, device)))
+                shards.append(("rest.arrow", [self.sequences.rows[i] for i in missing]))
+            for stale in self.partial.glob(".*.tmp-*"):  # a killed attempt's unfinished shard
+                stale.unlink()
+            for unused in {p.name for p in self.partial.glob("*.arrow")} - {name for name, _ in shards}:
+                (self.partial / unused).unlink()  # whole, but its rows list was never written
+            mark_complete(self.partial, state_shards_meta(shards, self.with_final))
+            shutil.rmtree(self.folder, ignore_errors=True)  # a killed capture's shards, if any
+            os.replace(self.partial, self.folder)
+
+    def _write(self, writer: StateWriter, batch: Batch) -> None:
+        for b, i in enumerate(batch.index.tolist()):
+            if i not in self.seen:  # validation repeats sequences; DDP processes may share a last batch
+                n = int(batch.seq_len[b])
+                final = batch.final[b, :n] if self.with_final else None
+                writer.write(i, batch.aux[b, :n], batch.target_next[b, :n], final)
+                self.seen.add(i)
+
+    def _done(self) -> list[Path]:
+        return sorted(p for p in self.partial.glob("*.arrow") if (self.partial / f"{p.name}.rows.json").is_file())
+
+
+def move(batch: Batch, device: torch.device) -> Batch:
+    return Batch(**{k: v.to(device) if v is not None else None for k, v in vars(batch).items()})
 
 
 def shift(x: torch.Tensor, by: int, value=0) -> torch.Tensor:

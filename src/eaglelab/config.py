@@ -86,6 +86,7 @@ class DataConfig:
     # vllm: vLLM generates (~4x HF here), then one capture forward | hf: our KV-cache loop with capture
     # fused in | auto: vllm when installed
     regen_backend: Literal["auto", "hf", "vllm"] = "auto"
+    shard_size: int = 128  # prompts per regeneration shard: a killed preparation redoes at most one
     seed: int = 0
     skip_empty: bool = False  # jsonl/hf rows without a user turn: an error naming the row, or skipped and counted
 
@@ -96,11 +97,26 @@ class DataConfig:
             max_new_tokens=self.max_new_tokens,
             max_length=self.max_length,
             regen_batch_size=self.regen_batch_size,
+            shard_size=self.shard_size,
         )
         if not 0.0 <= self.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
         if not self.sources:
             raise ConfigError("data.sources is empty; e.g. data.sources=[stdlib_docstrings,pydoc_topics]")
+
+
+@dataclass
+class FeaturesConfig:
+    """Where the target's hidden states come from during training (the `features` group).
+
+    cached: captured once per (target, data, aux layers) and read from disk per sequence: cheapest per step,
+        ~3.5 KB per token on SmolLM2, ~25 KB on an 8B target (~250 GB per 10^7 tokens).
+    online: only the token ids are cached; the frozen target runs inside every training and validation step
+        on the training device. A few bytes per token; aux-layer and fc_norm ablations share one token cache.
+    hybrid: online in the first epoch, the states it computed cached (shared like `cached`) for the later ones.
+    The held-out evaluation sets are small and always cached."""
+
+    kind: Literal["cached", "online", "hybrid"] = "cached"
 
 
 @dataclass
@@ -278,6 +294,7 @@ class RunConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from eaglelab.batches import OnlineStates
 from eaglelab.config import RunConfig, max_k
 from eaglelab.data.prepare import CaptureSettings, PrepareStats, prepare_features
 from eaglelab.data.prompts import humaneval_prompts, load_source, mix_sources
@@ -28,7 +29,7 @@ from eaglelab.io import atomic_write_text, write_csv
 from eaglelab.plots import plot_acceptance, plot_speedup
 from eaglelab.rundir import RunRecord, adopt_trained_settings, begin_attempt, end_attempt, is_primary
 from eaglelab.suites import SuiteInputs, check_suites, evaluate_suites, prepare_suites
-from eaglelab.targets import Target, TargetWeights, load_target
+from eaglelab.targets import Target, TargetWeights, load_target, target_device
 from eaglelab.vllm_engine import require_vllm, vllm_available
 
 log = logging.getLogger("eaglelab")
@@ -110,8 +111,8 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
         torch.set_num_threads(cfg.train.num_threads)
     check_suites(cfg)  # bad settings fail before any work
     use_vllm, backend = vllm_wanted(cfg), regen_backend(cfg)  # a required but missing vLLM fails now
-    with timer("convert"):  # the target (SmolLM2's GGUF converted once, then cached)
-        target = load_target(cfg.target, cfg.paths.cache_dir)
+    with timer("convert"):  # the target (SmolLM2's GGUF converted once, then cached), where training runs
+        target = load_target(cfg.target, cfg.paths.cache_dir, device=target_device(cfg.train.accelerator))
     check_fits_target(cfg, target)
     weights = target.weights()
     # 1. The drafter's config: built for this target, or the checkpoint's when only evaluating.
@@ -132,7 +133,13 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
     # 2. Prompts -> regenerate -> capture -> cache (shared by every run of this target and data).
     data = prepare_data(cfg, target, model_cfg, timer, backend, train=drafter is None, evaluate=primary)
     serving = Serving(target.path, target.max_context)
-    del target  # the rest of the target is not needed past data preparation: free it before training
+    # Online and hybrid features keep the frozen target for training; otherwise it is freed before training.
+    online = (
+        OnlineStates(target.model, model_cfg.aux_layer_ids, cfg.train.loss == "kl")
+        if drafter is None and cfg.features.kind != "cached"
+        else None
+    )
+    del target
     metrics: dict[str, float | int] = dict(data.metrics)
     # 3. Train (training-time test).
     if drafter is None:
@@ -141,8 +148,15 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
 
         with timer("train"):
             drafter, train_metrics = train_drafter(
-                cfg, run_dir, model_cfg, weights, data.train, loggers=lambda: training_loggers(cfg, run_dir)
+                cfg,
+                run_dir,
+                model_cfg,
+                weights,
+                data.train,
+                loggers=lambda: training_loggers(cfg, run_dir),
+                online=online,
             )
+        del online
         metrics.update(train_metrics)
     if not primary:
         return {}
@@ -260,6 +274,7 @@ def prepare_data(
         max_length=cfg.data.max_length,
         batch_size=cfg.data.regen_batch_size,
         backend=backend,
+        shard_size=cfg.data.shard_size,
     )
     out, train_stats = PreparedData(), PrepareStats()
     if train:
@@ -269,6 +284,8 @@ def prepare_data(
             name="train",
             max_new_tokens=cfg.data.max_new_tokens,
             val_fraction=cfg.data.val_fraction,
+            features=cfg.features.kind,
+            with_final=cfg.train.loss == "kl",  # the KL teacher's state; CE needs none
             **asdict(capture),
         )
     if not evaluate:
@@ -285,8 +302,14 @@ def prepare_data(
         "data/eval_sequences": len(out.held_out),
     }
     if train:
+        on_disk = out.train.disk_bytes()
         out.metrics.update(
-            {"data/train_tokens": train_stats.tokens, "data/response_tokens": train_stats.response_tokens}
+            {
+                "data/train_tokens": train_stats.tokens,
+                "data/response_tokens": train_stats.response_tokens,
+                # What this run's training data holds on disk now (hybrid's states arrive after its first epoch).
+                "data/disk_bytes_per_token": (on_disk["tokens"] + on_disk["states"]) / max(train_stats.tokens, 1),
+            }
         )
     return out
 

@@ -21,6 +21,11 @@ from eaglelab.io import atomic_dir, file_lock
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The weights may take at most this share of the device's free memory. The rest is for what loading and running
+# the target add on top: the allocator's slack, the CUDA context and kernels' workspaces, the KV cache and
+# activations of a regeneration batch. It refuses what cannot work, it does not promise that all else will: a
+# large data.regen_batch_size or data.max_length can still run out of memory with the weights in place.
+WEIGHTS_SHARE_OF_FREE = 0.9
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,10 @@ class Target:
     fingerprint: str  # hash of everything that determines the weights and tokenizer
     model: torch.nn.Module
     tokenizer: object
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     @property
     def num_layers(self) -> int:
@@ -201,9 +210,169 @@ def _hf_folder(cfg: TargetConfig, cache_dir: Path) -> tuple[Path, str]:
     return Path(name), f"hf:{name}"
 
 
-def load_target(cfg: TargetConfig, cache_dir: str | Path) -> Target:
+def target_device(accelerator: str) -> torch.device:
+    """Where training runs (`train.accelerator`), so the target's states and weights are where the drafter is.
+    Under DDP every process holds its own copy of the target, on its own device (its local rank)."""
+    if accelerator == "cpu":
+        return torch.device("cpu")
+    if accelerator in ("gpu", "cuda"):
+        if not torch.cuda.is_available():
+            raise TargetError(
+                f"train.accelerator={accelerator} but CUDA is not available (torch {torch.__version__}); "
+                "use train.accelerator=cpu (or auto), or a machine with an NVIDIA GPU and a CUDA build of torch"
+            )
+        return _local_cuda_device()
+    if accelerator == "mps":
+        if not torch.backends.mps.is_available():
+            raise TargetError("train.accelerator=mps but MPS is not available; use train.accelerator=cpu (or auto)")
+        return torch.device("mps")
+    if accelerator == "auto":  # what Lightning's auto picks on a CUDA machine, else the CPU
+        return _local_cuda_device() if torch.cuda.is_available() else torch.device("cpu")
+    if accelerator == "tpu":
+        # Lightning moves the drafter to the TPU itself; the target only regenerates and captures with HF
+        # generate, which eaglelab does not run under XLA (torch_xla is not a dependency): host memory.
+        return torch.device("cpu")
+    raise TargetError(f"unknown train.accelerator={accelerator!r}; use cpu, gpu, cuda, mps, tpu or auto")
+
+
+def _local_cuda_device() -> torch.device:
+    # LOCAL_RANK: Lightning's DDP children and torchrun. SLURM_LOCALID: a Slurm task that is one DDP rank
+    # (conf/hydra/launcher/slurm.yaml), which loads the target before Lightning reads the Slurm environment.
+    rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
+    count = torch.cuda.device_count()
+    if rank >= count:
+        raise TargetError(
+            f"local rank {rank} but only {count} CUDA device(s) visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+            "let every process of a node see all its devices, or lower train.devices"
+        )
+    return torch.device("cuda", rank)
+
+
+@dataclass(frozen=True)
+class TargetSize:
+    """The target's weights as the config alone gives them (no weights read)."""
+
+    architecture: str
+    parameters: int
+    dtype: str
+
+    @property
+    def bytes(self) -> int:
+        return self.parameters * _DTYPES[self.dtype].itemsize
+
+
+def target_size(path: str | Path, dtype: str, local_files_only: bool = True) -> TargetSize:
+    """Parameter count from config.json: the architecture built on the meta device (no memory, ~1 s for 70 B).
+    A quantised checkpoint (a `quantization_config`) is counted at `dtype` too: an over-estimate."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, local_files_only=local_files_only)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    parameters = sum(p.numel() for p in model.parameters())  # tied embeddings are one parameter, counted once
+    return TargetSize(type(model).__name__, parameters, dtype)
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free on `device` now; None where it cannot be known (then nothing is checked)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "mps":
+        mps = torch.mps
+        if hasattr(mps, "recommended_max_memory") and hasattr(mps, "driver_allocated_memory"):
+            return mps.recommended_max_memory() - mps.driver_allocated_memory()
+        return None
+    if device.type != "cpu":
+        return None
+    try:
+        import psutil  # not a dependency; where it is installed it also covers macOS
+
+        host = psutil.virtual_memory().available
+    except ImportError:
+        host = _meminfo_available()
+    known = [x for x in (host, _cgroup_free()) if x is not None]  # a Slurm job or container may get less
+    return max(0, min(known)) if known else None
+
+
+def _meminfo_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _cgroup_free(proc: str | Path = "/proc/self/cgroup", mount: str | Path = "/sys/fs/cgroup") -> int | None:
+    """Room left under this process's cgroup memory limits (v2 or v1), the tightest over its ancestors; None
+    without a limit. Inactive page cache counts as free: the kernel reclaims it before it kills."""
+    try:
+        lines = Path(proc).read_text().splitlines()
+    except OSError:
+        return None
+    frees = []
+    for line in lines:
+        _, controllers, rel = line.split(":", 2)
+        if controllers == "":
+            root, files = Path(mount), ("memory.max", "memory.current", "inactive_file")
+            mounted = (root / "cgroup.controllers").exists()
+        elif "memory" in controllers.split(","):
+            root = Path(mount) / "memory"
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+            mounted = (root / files[0]).exists()
+        else:
+            continue
+        folder = root / rel.lstrip("/")
+        while mounted:  # a limit may sit on any ancestor (Slurm sets it on the job, its processes sit in steps)
+            try:
+                limit = (folder / files[0]).read_text().strip()
+                if limit != "max" and int(limit) < 1 << 60:  # v1 writes "no limit" as ~2**63
+                    stat = dict(x.split() for x in (folder / "memory.stat").read_text().splitlines())
+                    used = int((folder / files[1]).read_text()) - int(stat.get(files[2], 0))
+                    frees.append(int(limit) - used)
+            except (OSError, ValueError):
+                pass  # not visible from this namespace, or the v2 root (no limit files): its ancestors still are
+            if folder == root:
+                break
+            folder = folder.parent
+    return min(frees) if frees else None
+
+
+def check_fits(size: TargetSize, device: torch.device, free: int | None, path: str | Path = "") -> None:
+    """A target whose weights alone exceed the share of free memory allowed them: one error naming the fix."""
+    if free is None or size.bytes <= WEIGHTS_SHARE_OF_FREE * free:
+        return
+    gb = 1e9
+    need = size.bytes / WEIGHTS_SHARE_OF_FREE
+    fixes = ["target.dtype=bfloat16 (half the bytes)"] if size.dtype == "float32" else []
+    if device.type == "cpu":
+        fixes += [f"a machine with {need / gb:.1f} GB free", "train.accelerator=gpu with a device that large"]
+    else:
+        fixes += [f"a device with {need / gb:.1f} GB free (each DDP process holds a whole copy)"]
+    fixes.append("a smaller target")
+    where = f" {path}" if path else ""
+    raise TargetError(
+        f"target{where} ({size.architecture}, {size.parameters / 1e9:.1f} B parameters, {size.bytes / gb:.1f} GB "
+        f"in {size.dtype}) does not fit {device} ({free / gb:.1f} GB free; the weights may take "
+        f"{WEIGHTS_SHARE_OF_FREE:.0%}); use {', '.join(fixes[:-1])}, or {fixes[-1]}"
+    )
+
+
+def _cannot_load(path: Path, e: Exception) -> TargetError:
+    return TargetError(
+        f"cannot load target from {path} ({type(e).__name__}: {first_line(e)}); "
+        "check the folder holds a causal LM (config.json, weights, tokenizer)"
+    )
+
+
+def load_target(cfg: TargetConfig, cache_dir: str | Path, device: torch.device | str | None = None) -> Target:
+    """The target, frozen, on `device` (default: the CPU); refused before its weights are read when they
+    would not fit the memory free there."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    device = torch.device(device if device is not None else "cpu")
     cache_dir = Path(os.path.expanduser(str(cache_dir)))
     if cfg.kind == "smollm2":
         path, fingerprint = _smollm2_folder(cache_dir)
@@ -212,16 +381,24 @@ def load_target(cfg: TargetConfig, cache_dir: str | Path) -> Target:
     else:
         path, fingerprint = _hf_folder(cfg, cache_dir)
     try:
+        size = target_size(path, cfg.dtype, cfg.local_files_only)
+    except Exception as e:  # the load below would fail the same way: say so now
+        raise _cannot_load(path, e) from None
+    check_fits(size, device, free_memory(device), path)
+    # On an accelerator the weights go straight there (no copy of the whole target in host memory first).
+    placement = {} if device.type == "cpu" else {"device_map": {"": device}}
+    try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=cfg.local_files_only)
         # Eager attention: ~25% faster than SDPA for batched CPU decoding (measured, bf16, batch 16).
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=_DTYPES[cfg.dtype], attn_implementation="eager", local_files_only=cfg.local_files_only
+            path,
+            dtype=_DTYPES[cfg.dtype],
+            attn_implementation="eager",
+            local_files_only=cfg.local_files_only,
+            **placement,
         )
     except Exception as e:
-        raise TargetError(
-            f"cannot load target from {path} ({type(e).__name__}: {first_line(e)}); "
-            "check the folder holds a causal LM (config.json, weights, tokenizer)"
-        ) from None
+        raise _cannot_load(path, e) from None
     if not hasattr(model, "model") or not hasattr(model.model, "layers"):
         raise TargetError(
             f"target {path} is not a decoder-only causal LM with `model.layers` "

@@ -3,6 +3,7 @@ loggers, rolling checkpoints and resuming after a preemption."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -10,8 +11,9 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from eaglelab.batches import FeatureDataset, collate
+from eaglelab.batches import FeatureDataset, HybridStates, OnlineStates, collate
 from eaglelab.config import RunConfig
+from eaglelab.data.store import Sequences
 from eaglelab.data.vocab import draft_vocab
 from eaglelab.drafter import Eagle3Config, Eagle3Drafter
 from eaglelab.errors import EaglelabError
@@ -34,12 +36,14 @@ def train_drafter(
     run_dir: Path,
     model_cfg: Eagle3Config,
     target: TargetWeights,
-    features,
+    features: Sequences,
     loggers: Callable[[], list | bool] = lambda: False,
+    online: OnlineStates | None = None,
 ) -> tuple[Eagle3Drafter, dict]:
     """The train stage: draft vocabulary from the training split, init from the target, TTT training with
     Lightning (resumed from lightning/last.ckpt after an interruption). -> (trained drafter, train metrics).
-    `loggers()` makes Lightning's loggers, once it is known that training runs."""
+    `loggers()` makes Lightning's loggers, once it is known that training runs. `online`: the frozen target
+    that computes the states of sequences stored without them (features=online, and hybrid's first epoch)."""
 
     # Seeded here, right before anything random, so the result never depends on what ran before
     # (e.g. whether the data came from the cache or was just generated).
@@ -55,13 +59,19 @@ def train_drafter(
     train_set = FeatureDataset(features, train_idx, with_final)
     val_set = FeatureDataset(features, val_idx, with_final) if val_idx else None
     draft_ids, coverage = draft_vocab(
-        [it["input_ids"] for it in train_set.items],
-        [it["prompt_len"] for it in train_set.items],
+        [features.item(i, with_states=False)["input_ids"] for i in train_idx],
+        [features.item(i, with_states=False)["prompt_len"] for i in train_idx],
         model_cfg.vocab_size,
         model_cfg.draft_vocab_size,
     )
     module = DrafterModule(model_cfg, cfg.train)
     module.target_head = init_from_target(module, target, draft_ids, cfg.drafter.init_lm_head_from_target)
+    if features.states is None and online is None:
+        raise EaglelabError("these sequences have no cached states and no target was given to compute them")
+    module.online = online
+    if cfg.features.kind == "hybrid" and features.states is None:
+        run_id = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]  # the same in every process
+        module.hybrid = HybridStates(features, features.states_dir, with_final, run_id)
     loader = ResumableLoader(
         train_set, collate_fn=collate, batch_sampler=EpochBatches(len(train_set), cfg.train.batch_size, cfg.train.seed)
     )

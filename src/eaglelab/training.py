@@ -11,6 +11,7 @@ target's distribution (restricted to the draft vocab) to the drafter's.
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import lightning as L
@@ -21,7 +22,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch.utils.data import DataLoader, Sampler
 
 from eaglelab.acceptance import AcceptanceCounts
-from eaglelab.batches import Batch, acceptance_counts, shift
+from eaglelab.batches import Batch, HybridStates, OnlineStates, acceptance_counts, shift
 from eaglelab.config import TrainConfig
 from eaglelab.drafter import Eagle3Config, Eagle3Drafter
 from eaglelab.errors import TrainingError
@@ -152,6 +153,35 @@ class DrafterModule(L.LightningModule):
         self.val_k = (train_cfg.ttt_steps, 2 * train_cfg.ttt_steps)
         self._val_counts: dict[int, AcceptanceCounts] = {}
         self._val_acc: list[list[float]] = []
+
+    online: OnlineStates | None = None  # online and hybrid features: the frozen target (not a submodule)
+    hybrid: HybridStates | None = None  # hybrid features: the first epoch's states, cached for the later ones
+
+    def on_after_batch_transfer(self, batch: Batch, dataloader_idx: int) -> Batch:
+        """A batch without states (online features, or hybrid's first epoch): the target computes them here, on
+        the training device, for training and validation alike."""
+        if batch.aux is None:
+            batch = self.online(batch)
+            if self.hybrid is not None:
+                self.hybrid.record(batch)
+        return batch
+
+    _epoch_started: float | None = None
+
+    def on_train_epoch_start(self) -> None:
+        self._epoch_started = time.perf_counter()
+
+    def on_train_epoch_end(self) -> None:  # (Lightning 2 calls it after the epoch's validation)
+        if self.hybrid is not None and not self.hybrid.published:
+            strategy = self.trainer.strategy
+            self.hybrid.publish(
+                self.online, self.device, strategy.barrier, self.trainer.is_global_zero, self.train_cfg.batch_size
+            )
+        # Per-epoch wall time (logs/metrics.csv): what online features cost, and what hybrid's cache saves later.
+        # Not for an epoch this attempt did not start (a resume may begin at its end); a resumed one logs its rest.
+        if self._epoch_started is not None:
+            self.log("time/epoch_s", time.perf_counter() - self._epoch_started, sync_dist=True)
+            self._epoch_started = None
 
     def ttt(self, batch: Batch, steps: int, outs: list | None = None):
         """-> (weighted loss, [loss_j], [correct_j], [count_j]) over draft steps j = 1..steps."""

@@ -8,8 +8,9 @@ cuts engine start from ~22 s to ~4 s and avoids IPC between cores that the model
 it is what vLLM does anyway. Counters are vLLM's own (`vllm:spec_decode_*`): τ = 1 + accepted / drafts.
 
 Jobs (JSON):
-  {"mode": "generate", target, prompts, max_tokens (per prompt), stop_token_ids, dtype, max_model_len}
-      -> {"outputs": [[ids]], "seconds", "output_tokens"}
+  {"mode": "generate", target, shards ({shard: [prompt ids]}), max_tokens ({shard: [per prompt]}), shard_dir,
+   stop_token_ids, dtype, max_model_len}
+      -> shard_dir/<shard>.json ([[response ids]], written as each shard finishes), {"seconds", "output_tokens"}
   {"mode": "evaluate", target, drafter, prompts, max_tokens, ks, concurrencies, throughput_ks,
    throughput_prompts, dtype, max_model_len, groups (optional: {name: {prompts, max_tokens}} measured
    separately instead of `prompts`)}
@@ -203,10 +204,22 @@ def _acceptance(job: dict, k: int) -> list[dict]:
 
 
 def _regenerate(job: dict) -> dict:
+    """Shard by shard, each shard's responses written (atomically) as soon as it is done: a killed engine
+    loses at most the shard in flight."""
     llm = _engine(job)
-    t0 = time.perf_counter()
-    outs = _generate(llm, job["prompts"], job["max_tokens"], job.get("stop_token_ids"))
-    return {"outputs": outs, "seconds": time.perf_counter() - t0, "output_tokens": sum(len(o) for o in outs)}
+    out_dir = Path(job["shard_dir"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    seconds, tokens = 0.0, 0
+    for shard, prompts in job["shards"].items():
+        t0 = time.perf_counter()
+        outs = _generate(llm, prompts, job["max_tokens"][shard], job.get("stop_token_ids"))
+        dt, n = time.perf_counter() - t0, sum(len(o) for o in outs)
+        tmp = out_dir / f".{shard}.json.tmp"
+        tmp.write_text(json.dumps(outs))
+        os.replace(tmp, out_dir / f"{shard}.json")
+        seconds, tokens = seconds + dt, tokens + n
+        progress(f"shard {shard}: {n / dt:.0f} tok/s")
+    return {"seconds": seconds, "output_tokens": tokens}
 
 
 def progress(message: str) -> None:
@@ -219,9 +232,7 @@ def engine_main(job: dict) -> dict:
     # coexist: vLLM's in-process distributed state is per process, and a late finaliser would tear
     # down the next engine's.
     if job["mode"] == "generate":
-        result = _regenerate(job)
-        progress("generated")
-        return result
+        return _regenerate(job)
 
     prompts, result = job.get("prompts", []), {"acceptance": [], "throughput": []}
 

@@ -51,23 +51,41 @@ def sdpa_attention(model):
 
 
 @torch.no_grad()
-def capture_batch(target, sequences: list[list[int]], layer_ids: list[int], prompt_lens: list[int]):
-    """Right-padded forward of a batch; yields per sequence (aux [T, n·H], final [T, H], next [T])."""
-    pad = target.tokenizer.pad_token_id
+def capture_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids: list[int], first):
+    """One right-padded whole-sequence forward of the frozen target, on whatever device it lives:
+    -> aux [B, T, n·H] (the aux layers' states, concatenated in `layer_ids` order), final [B, T, H]
+    (post-norm), target_next [B, T] (greedy next token from position first[b] = P-1 on; -1 before it,
+    where no label is ever read, and at padding). Cached capture and online features both call this."""
+    with aux_hooks(model, layer_ids) as grabbed, sdpa_attention(model):
+        final = model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    aux = torch.cat([grabbed[k] for k in layer_ids], dim=-1)  # [B, T, n·H]
+    pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+    labelled = (pos >= first[:, None]) & attention_mask.bool()  # [B, T]
+    # lm_head only where a label is read: it is ~20% of a SmolLM2 forward, and prompts are most tokens.
+    nxt = torch.full(input_ids.shape, -1, dtype=torch.long, device=input_ids.device)
+    nxt[labelled] = model.get_output_embeddings()(final[labelled]).argmax(-1)
+    return aux, final, nxt
+
+
+def padded(sequences: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids [B, T] and attention mask [B, T] on `device`."""
     width = max(len(s) for s in sequences)
     ids = torch.full((len(sequences), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, s in enumerate(sequences):
-        ids[row, : len(s)] = torch.tensor(s)
+        ids[row, : len(s)] = torch.as_tensor(s)
         mask[row, : len(s)] = 1
-    with aux_hooks(target.model, layer_ids) as grabbed, sdpa_attention(target.model):
-        final = target.model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-    aux = torch.cat([grabbed[k] for k in layer_ids], dim=-1)  # [B, T, n·H]
-    head = target.model.get_output_embeddings()
+    return ids.to(device), mask.to(device)
+
+
+@torch.no_grad()
+def capture_batch(target, sequences: list[list[int]], layer_ids: list[int], prompt_lens: list[int]):
+    """Capture of a batch of finished sequences; yields per sequence (aux [T, n·H], final [T, H], next [T]),
+    on the CPU (where the cache writer needs them)."""
+    device = next(target.model.parameters()).device
+    ids, mask = padded(sequences, target.tokenizer.pad_token_id, device)
+    first = torch.tensor(prompt_lens, device=device) - 1
+    aux, final, nxt = capture_states(target.model, ids, mask, layer_ids, first)
     for row, s in enumerate(sequences):
-        n, first = len(s), prompt_lens[row] - 1
-        # Labels only from the last prompt position on (-1 before, as in the fused path): lm_head is
-        # ~20% of a SmolLM2 forward and prompts are most of the tokens (all but ~1% at long context).
-        nxt = torch.full((n,), -1, dtype=torch.long)
-        nxt[first:] = head(final[row, first:n]).argmax(-1)
-        yield aux[row, :n], final[row, :n], nxt
+        n = len(s)
+        yield aux[row, :n].cpu(), final[row, :n].cpu(), nxt[row, :n].cpu()

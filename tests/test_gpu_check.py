@@ -1,0 +1,127 @@
+"""The GPU check's CPU side: scripts/gpu_check.sh refuses without a GPU, lists its commands in a dry run and keeps
+going past a failed stage; the scale rehearsal (benchmarks/scale_rehearsal.py) runs end to end on a tiny target."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, cli_env, error_line
+
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+
+
+def gpu_check(extra: dict, timeout: int = 60) -> subprocess.CompletedProcess:
+    """`bash scripts/gpu_check.sh` with the environment `extra` added (and no dry run unless it asks for one)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GPU_CHECK_DRY_RUN", "OUT")} | extra
+    return subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_script_parses():
+    proc = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has nvidia-smi")
+def test_refuses_without_a_gpu(tmp_path):
+    proc = gpu_check({"OUT": str(tmp_path / "out")})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == ""
+    [line] = proc.stderr.splitlines()  # one line, that says what is missing and what to do
+    assert line.startswith("error: no NVIDIA GPU") and "GPU_CHECK_DRY_RUN=1" in line
+    assert not (tmp_path / "out").exists()  # nothing ran
+
+
+def test_dry_run_prints_every_stage_and_runs_nothing(tmp_path):
+    out = tmp_path / "out"
+    proc = gpu_check({"GPU_CHECK_DRY_RUN": "1", "OUT": str(out)})
+    assert proc.returncode == 0, proc.stderr
+    for command in (
+        "nvidia-smi",
+        f"src/run.py train.accelerator=gpu hydra.run.dir={out}/default",
+        "-m benchmarks.features --device cuda --prompts 64 --epochs 2 --repeats 1",
+        f"--out {out}/features.json",
+        f"-m benchmarks.scale_rehearsal --device cuda --shape llama8b --out {out}/scale.json",
+    ):
+        assert command in proc.stdout, proc.stdout
+    assert "eval.vllm.enforce_eager" not in proc.stdout  # vLLM keeps its CUDA graphs on the GPU
+    assert not out.exists()
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+case "$*" in
+  *is_available*) exit 0 ;;
+  *src/run.py*) exec sleep 30 ;;
+  *benchmarks.scale_rehearsal*) echo "scale rehearsal crashed" >&2; exit 3 ;;
+  *benchmarks.features*) echo "features ran" ;;
+  *) exit 0 ;;
+esac
+"""
+
+
+def test_a_failed_stage_is_reported_and_the_next_ones_run(tmp_path):
+    """On a pretend GPU machine (an nvidia-smi that answers, a python that stands in for each stage): the default
+    run hangs past its limit, the scale rehearsal crashes; both are reported, every stage runs, exit 1."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: Pretend H200'\n")
+    (bin_dir / "python").write_text(FAKE_PYTHON)
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "PYTHON": str(bin_dir / "python"),
+        "OUT": str(tmp_path / "out"),
+        "GPU_CHECK_DEFAULT_S": "1",
+    }
+    proc = gpu_check(env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    summary = proc.stdout.split("== summary")[1]
+    assert "gpu" in summary and "default" in summary and "features" in summary and "scale" in summary
+    assert "default" in summary.split("timed out after 1s")[0].splitlines()[-1]
+    assert "failed (exit 3)" in summary
+    assert "scale rehearsal crashed" in proc.stdout  # the failed stage's own words, shown
+    assert "gpu check: FAILED" in proc.stdout
+    assert "scale rehearsal crashed" in (tmp_path / "out" / "gpu_check.stderr.log").read_text()
+
+
+def test_scale_rehearsal_on_a_tiny_target(tmp_path):
+    out = tmp_path / "scale.json"
+    # One thread: the 2 cores are shared with other tests, where OpenMP's spin-waiting makes a step 20x slower.
+    env = cli_env(tmp_path / "cache", tmp_path / "results", {"OMP_NUM_THREADS": "1"})
+    args = ["--device", "cpu", "--shape", "tiny", "--steps", "2", "--warmup", "0", "--out", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.scale_rehearsal", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["shape"] == "tiny" and result["target"]["hidden"] == 128 and result["target"]["layers"] == 4
+    assert result["device"] == "cpu" and result["steps"] == 2 and result["batch"] * result["seq_len"] > 0
+    assert math.isfinite(result["tokens_per_s"]) and result["tokens_per_s"] > 0
+    assert result["tokens_per_s"] == pytest.approx(result["batch"] * result["seq_len"] / result["step_s"])
+    assert 0 < result["target_forward_share"] < 1
+    assert result["peak_memory_kind"] == "cpu_peak_rss" and result["peak_memory_gb"] > 0
+    assert math.isfinite(result["final_loss"]) and result["final_loss"] > 0
+    assert "trained positions/s" in proc.stdout
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has nvidia-smi")
+def test_scale_rehearsal_asks_for_cuda_where_there_is_none(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.scale_rehearsal", "--device", "cuda", "--out", str(tmp_path / "s.json")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "no CUDA device" in error_line(proc.returncode, proc.stderr)
+    assert not (tmp_path / "s.json").exists()
