@@ -14,8 +14,9 @@ projected to Llama-3.1-8B (hidden 4096, 3 aux layers, bf16) at 10^7 and 10^8 tra
 
 `--rss`: peak RSS of the train stage (`eaglelab.trainer.train_drafter`, what the loop calls, one epoch, in a
 fresh process after the target is loaded and freed as the loop does) on cached training data the size of the
-default run's (192 prompts) and 4x that: the training set's real stores, replicated. The stores are read one
-sequence at a time, so the peak should barely move with the data (it grew by the whole split before).
+default run's (192 prompts) and 4x that: the training set's real stores, replicated; and 1x for 4 epochs, the
+steps of 4x for one, which separates what the data costs (read one sequence at a time: nothing held) from what
+more steps cost.
 
 `--work DIR` keeps the work folder (and its prepared cache) for a later call.
 """
@@ -131,12 +132,14 @@ def replicated(cache: Path, copies: int, into: Path) -> Path:
     return into
 
 
-def train_peak_rss(cache: Path, copies: int, work: Path) -> dict:
-    for stale in (work / f"x{copies}", work / f"x{copies}-run"):
+def train_peak_rss(cache: Path, copies: int, work: Path, epochs: int = 1) -> dict:
+    name = f"x{copies}-e{epochs}"
+    for stale in (work / name, work / f"{name}-run"):
         shutil.rmtree(stale, ignore_errors=True)
-    data = replicated(cache, copies, work / f"x{copies}")
-    args = [str(ROOT), str(data), str(work / f"x{copies}-run"), str(cache)]
-    proc = subprocess.run([sys.executable, "-c", TRAIN_ONLY, *args], cwd=ROOT, capture_output=True, text=True)
+    data = replicated(cache, copies, work / name)
+    args = [str(ROOT), str(data), str(work / f"{name}-run"), str(cache)]
+    script = TRAIN_ONLY.replace('"train.epochs=1"', f'"train.epochs={epochs}"')
+    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"error: training on {copies} copies failed: {proc.stderr.strip().splitlines()[-1:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
