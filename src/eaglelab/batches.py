@@ -20,9 +20,17 @@ from torch.utils.data import DataLoader, Dataset
 
 from eaglelab.acceptance import AcceptanceCounts, simulate
 from eaglelab.data.capture import capture_states
-from eaglelab.data.store import Sequences, StateStore, StateWriter, is_complete, mark_complete, state_shards_meta
+from eaglelab.data.store import (
+    Sequences,
+    StateStore,
+    StateWriter,
+    entry_lock,
+    is_complete,
+    mark_complete,
+    state_shards_meta,
+)
 from eaglelab.drafter import Eagle3Drafter
-from eaglelab.io import atomic_write_json, file_lock
+from eaglelab.io import atomic_write_json
 
 
 # --- data ------------------------------------------------------------------------------------
@@ -158,7 +166,7 @@ class HybridStates:
 
     def _publish(self, online: OnlineStates, device: torch.device, batch_size: int) -> None:
         # Under the entry's lock, as `cached` preparation writes it: a whole entry is never replaced.
-        with file_lock(self.folder.parent.parent / "locks" / f"features-{self.folder.name}.lock"):
+        with entry_lock(self.folder):
             if is_complete(self.folder):  # another trial published (or captured) it first: theirs stands
                 shutil.rmtree(self.partial, ignore_errors=True)
                 return

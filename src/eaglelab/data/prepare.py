@@ -33,6 +33,7 @@ from eaglelab.data.store import (
     StateStore,
     StateWriter,
     TokenStore,
+    entry_lock,
     is_complete,
     mark_complete,
     shard_name,
@@ -42,7 +43,6 @@ from eaglelab.data.store import (
 )
 from eaglelab.data.templates import template_prompt
 from eaglelab.errors import DataError
-from eaglelab.io import file_lock
 
 log = logging.getLogger(__name__)
 CACHE_VERSION = 4  # bump when the stored layout or its meaning changes (4: sharded token and state stores)
@@ -154,9 +154,9 @@ def prepare_features(
     regen_dir, feat_dir = cache_dir / "regen" / regen_key, cache_dir / "features" / feat_key
     t0 = time.perf_counter()
     with contextlib.ExitStack() as locks:
-        locks.enter_context(file_lock(cache_dir / "locks" / f"regen-{regen_key}.lock"))
+        locks.enter_context(entry_lock(regen_dir))
         if states:
-            locks.enter_context(file_lock(cache_dir / "locks" / f"features-{feat_key}.lock"))
+            locks.enter_context(entry_lock(feat_dir))
         stats.regen_cached = is_complete(regen_dir)
         stats.capture_cached = not states or is_complete(feat_dir)
         if not stats.regen_cached:
@@ -189,7 +189,7 @@ def prepare_features(
 
 
 def _shard_rows(shards: list[list[int]]) -> list[tuple[str, list[int]]]:
-    """Each state shard's store rows: shard i holds rows i·S .. i·S + len - 1, in the token shards' order."""
+    """Each shard's file and store rows: shard i holds the rows after those of shards 0..i-1, in its order."""
     out, start = [], 0
     for i, shard in enumerate(shards):
         out.append((shard_name(i), list(range(start, start + len(shard)))))
@@ -211,6 +211,7 @@ def _regenerate(
         responses, _ = generate_vllm(target, prompts, max_new_tokens, limit, workdir)
     bar = tqdm(desc=f"regenerate {name}", unit="tok", unit_scale=True, leave=False)
     have_states = shards_done(feat_dir) if feat_dir is not None else set()
+    shard_rows = _shard_rows(shards)
     for i in todo:
         prompts = [templated[j] for j in shards[i]]
         capture = feat_dir is not None and i not in have_states
@@ -219,7 +220,7 @@ def _regenerate(
         else:
             layers = list(aux_layer_ids) if capture else None
             rows = generate(target, prompts, max_new_tokens, limit, batch_size, capture_layers=layers)
-        first_row = sum(len(s) for s in shards[:i])  # the shard's first row in the store
+        first_row = shard_rows[i][1][0]  # the shard's first row in the store
         tokens = []
         with StateWriter(feat_dir / shard_name(i), with_final) if capture else contextlib.nullcontext() as writer:
             for k, response, captured in rows:  # in the shard's (length) order
@@ -237,15 +238,13 @@ def _regenerate(
 def _capture(target, tokens: TokenStore, shards, feat_dir: Path, aux_layer_ids, with_final, batch_size, name) -> None:
     """State shards not yet on disk, by one whole-sequence forward per batch of finished sequences."""
     bar = tqdm(total=int(tokens.lengths().sum()), desc=f"capture {name}", unit="tok", unit_scale=True, leave=False)
-    start, done = 0, shards_done(feat_dir)
-    for i, shard in enumerate(shards):
-        rows = list(range(start, start + len(shard)))
-        start += len(shard)
+    done = shards_done(feat_dir)
+    for i, (file, rows) in enumerate(_shard_rows(shards)):
         if i in done:
             bar.update(int(sum(len(tokens.input_ids(r)) for r in rows)))
             continue
         seqs = [tokens.input_ids(r).tolist() for r in rows]
-        with StateWriter(feat_dir / shard_name(i), with_final) as writer:
+        with StateWriter(feat_dir / file, with_final) as writer:
             for idx in _batches(list(range(len(rows))), [len(s) for s in seqs], batch_size):
                 captured = capture_batch(
                     target, [seqs[j] for j in idx], aux_layer_ids, [int(tokens.prompt_len[rows[j]]) for j in idx]

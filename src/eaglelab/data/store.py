@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from eaglelab.io import atomic_file, atomic_write_json
+from eaglelab.io import atomic_file, atomic_write_json, file_lock
 
 TOKENS = pa.schema([("input_ids", pa.list_(pa.int32())), ("prompt_len", pa.int32()), ("is_val", pa.bool_())])
 COMPLETE = "complete.json"
@@ -116,6 +116,12 @@ def mark_complete(folder: Path, meta: dict) -> None:
     atomic_write_json(Path(folder) / COMPLETE, meta)
 
 
+def entry_lock(folder: Path):
+    """The lock every writer of a cache entry (`<cache>/<kind>/<key>`) holds: `<cache>/locks/<kind>-<key>.lock`."""
+    folder = Path(folder)
+    return file_lock(folder.parent.parent / "locks" / f"{folder.parent.name}-{folder.name}.lock")
+
+
 # --- reading ----------------------------------------------------------------------------------------
 @lru_cache(maxsize=64)  # open readers (footer parsed once); bounded: thousands of shards at 10^8 tokens
 def _state_reader(path: str) -> pa.ipc.RecordBatchFileReader:
@@ -146,8 +152,6 @@ class TokenStore:
         return np.diff(self._offsets)
 
     def column(self, name: str) -> list:
-        if name == "input_ids":
-            return [self.input_ids(i).tolist() for i in range(len(self))]
         return self.table.column(name).to_pylist()
 
 
