@@ -7,7 +7,6 @@ Composes conf/ with Hydra, runs eaglelab.pipeline.run, prints `run_dir: <path>` 
 
 import logging
 import os
-import signal
 import sys
 import warnings
 from pathlib import Path
@@ -27,19 +26,15 @@ def main(cfg: DictConfig):
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from eaglelab import preemption
     from eaglelab.config import to_run_config
     from eaglelab.pipeline import run
     from eaglelab.rundir import is_primary
     from eaglelab.sweeps import objective
 
-    def interrupt(signum, _frame):  # SIGTERM (kill, a scheduler) ends the run like Ctrl-C: cleanly
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    if "SUBMITIT_EXECUTOR" not in os.environ:  # in a submitit job, submitit owns the signals (and requeueing)
-        signal.signal(signal.SIGTERM, interrupt)
-        # A shell starting a background job (`cmd &` in a script) makes it ignore SIGINT, and Python keeps that:
-        # `kill -INT` would be lost. SIGINT interrupts the run in any case.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    # Signals are recorded when they arrive and acted on outside writes (eaglelab.preemption); in a submitit job
+    # submitit's own handlers (checkpoint and requeue) are what acting calls.
+    preemption.install()
     try:
         run_cfg = to_run_config(cfg)
         hc = HydraConfig.get()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from benchmarks import preemption
+from benchmarks import faults, preemption
 
 from conftest import ROOT, run_cli
 
@@ -158,11 +158,15 @@ def test_preempted_trial_is_requeued_and_resumes_to_the_same_result(slurm, cache
     assert ckpt is not None, "the trial never reached step 6"
     job_id = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True).stdout.split()[0]
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    faults.start_requeued_now(job_id, sweeper)  # (Slurm would hold the requeued job ~2 min first)
     out, err = sweeper.communicate(timeout=900)
     assert sweeper.returncode == 0, err[-3000:]
     run_dir = ckpt.parent.parent
     info = json.loads((run_dir / "run.json").read_text())
     assert info["status"] == "complete" and info["attempt"] == 2
+    # The first attempt acted on the USR2 itself, in training (outside any write, or right after it)
+    assert info["earlier"][0]["status"] == "interrupted"
+    assert info["earlier"][0]["signal"]["name"] == "SIGUSR2" and info["earlier"][0]["signal"]["stage"] == "train"
     restarts = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
     assert "Restarts=1" in restarts, restarts  # Slurm requeued the same job (submitit's doing)
     a, b = load_file(run_dir / "drafter" / "model.safetensors"), load_file(reference / "drafter" / "model.safetensors")

@@ -14,6 +14,7 @@ RANK = {
     "eaglelab": 0,
     "eaglelab.errors": 0,
     "eaglelab.io": 0,
+    "eaglelab.preemption": 0,
     "eaglelab.variants": 0,
     "eaglelab.acceptance": 0,
     "eaglelab.drafter": 0,
@@ -25,8 +26,9 @@ RANK = {
     "eaglelab.data.prompts": 1,
     "eaglelab.data.templates": 1,
     "eaglelab.data.long_context": 1,
-    # 2: the target, regenerate, capture, cache
+    # 2: the target, regenerate, capture, cache, and the limits a run's sizes are checked against
     "eaglelab.targets": 2,
+    "eaglelab.limits": 2,
     "eaglelab.data.regenerate": 2,
     "eaglelab.data.capture": 2,
     "eaglelab.data.store": 2,

@@ -30,6 +30,12 @@ def _positive(owner: str, **values) -> None:
             raise ConfigError(f"{owner}.{key} must be > 0, got {value}")
 
 
+def _non_negative(owner: str, **values) -> None:
+    for key, value in values.items():
+        if value < 0:
+            raise ConfigError(f"{owner}.{key} must be >= 0, got {value}")
+
+
 @dataclass
 class TinyTargetConfig:
     """A random-init Llama for tests (head_dim 64: vLLM's CPU attention needs it)."""
@@ -39,6 +45,16 @@ class TinyTargetConfig:
     num_heads: int = 2
     num_kv_heads: int = 1
     intermediate_size: int = 256
+
+    def __post_init__(self):
+        _positive(
+            "target.tiny",
+            hidden_size=self.hidden_size,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            intermediate_size=self.intermediate_size,
+        )
 
 
 @dataclass
@@ -154,8 +170,17 @@ class TrainConfig:
             devices=self.devices,
             num_nodes=self.num_nodes,
         )
+        _non_negative(
+            "train",
+            weight_decay=self.weight_decay,
+            warmup_steps=self.warmup_steps,
+            grad_clip=self.grad_clip,
+            num_threads=self.num_threads,
+        )
         if not 0.0 < self.step_decay <= 1.0:
             raise ConfigError(f"train.step_decay must be in (0, 1], got {self.step_decay}")
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ConfigError(f"train.max_steps must be -1 (no limit) or > 0, got {self.max_steps}")
 
 
 @dataclass
@@ -307,6 +332,7 @@ class RunConfig:
     def __post_init__(self):
         if not self.objective:
             raise ConfigError("objective must name at least one metric, e.g. objective=[val/acceptance_length@k3]")
+        check_depths_and_lengths(self)
 
 
 def register() -> None:
@@ -344,3 +370,45 @@ def max_k(cfg: RunConfig) -> int:
 def suite_ks(cfg: RunConfig) -> list[int]:
     """Draft depths the long-context and template suites report (vLLM runs one engine per k)."""
     return sorted(set(cfg.eval.suites.ks or [cfg.train.ttt_steps]))
+
+
+def check_depths_and_lengths(cfg: RunConfig) -> None:
+    """Draft depths against the sequences they draft on, and the attention window against training's lengths.
+
+    Draft step j at verified position t predicts token t+j+1, so it needs j+1 response tokens after the prompt: a
+    depth at or beyond the response budget trains or measures nothing, and (as every depth unrolls over the whole
+    sequence) only costs memory. Run at composition and again before any work (`eaglelab.limits`), since an
+    evaluated checkpoint brings its own train.ttt_steps (`eaglelab.rundir.adopt_trained_settings`)."""
+    data, ttt = cfg.data, cfg.train.ttt_steps
+    if cfg.checkpoint is None:  # training
+        budget, name = min((data.max_new_tokens, "data.max_new_tokens"), (data.max_length, "data.max_length"))
+        if ttt >= budget:
+            raise ConfigError(
+                f"train.ttt_steps={ttt} must be below {name}={budget} (draft step j trains on the response token "
+                f"j+1 places after the position it drafts from: deeper steps see no data and only cost memory); "
+                f"lower train.ttt_steps or raise {name}"
+            )
+        window = cfg.drafter.attention_window
+        if window is not None and window >= data.max_length:
+            raise ConfigError(
+                f"drafter.attention_window={window} is not below data.max_length={data.max_length}: it hides hardly "
+                "any key of a training sequence, so the drafter would train full attention; lower "
+                "drafter.attention_window or set it to null (a window at inference only: checkpoint=RUN "
+                "drafter.attention_window=N)"
+            )
+    k, answer = max_k(cfg), cfg.eval.max_new_tokens
+    if k >= answer:
+        rule = "max(8, 2·train.ttt_steps+2)" if cfg.eval.suites.extrapolation.enabled else "train.ttt_steps"
+        which = f"eval.max_k={k}" if cfg.eval.max_k else f"eval.max_k (unset: {rule} = {k})"
+        raise ConfigError(
+            f"{which} must be below eval.max_new_tokens={answer} (a draft of depth k is checked against the response "
+            f"token k+1 places after its position); lower eval.max_k or train.ttt_steps, or raise eval.max_new_tokens"
+        )
+    suites = cfg.eval.suites
+    for name, suite in (("long_context", suites.long_context), ("templates", suites.templates)):
+        if suite.enabled and max(suite_ks(cfg)) >= suite.max_new_tokens:
+            raise ConfigError(
+                f"eval.suites.ks={suite_ks(cfg)} must stay below eval.suites.{name}.max_new_tokens="
+                f"{suite.max_new_tokens} (a draft of depth k needs k+1 response tokens); lower eval.suites.ks "
+                f"(default: train.ttt_steps) or raise eval.suites.{name}.max_new_tokens"
+            )

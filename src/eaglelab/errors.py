@@ -21,6 +21,14 @@ class TrainingError(EaglelabError):
     pass
 
 
+class ResourceError(EaglelabError):
+    """A run larger than the memory or disk it would get, refused before the work (`eaglelab.limits`)."""
+
+
+class DiskFull(ResourceError):
+    """A disk (or quota) that filled up while the run wrote to it; the run resumes once there is room."""
+
+
 def first_line(e: BaseException, limit: int = 160) -> str:
     """An exception's first message line (its type name when it has no message), for one-line errors."""
     lines = str(e).strip().splitlines()

@@ -13,6 +13,8 @@ import stat
 import tempfile
 from pathlib import Path
 
+from eaglelab.preemption import uninterruptible
+
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)  # (reading the umask means setting it: put it back)
 
@@ -27,10 +29,11 @@ def atomic_dir(final: Path):
         # mkdtemp makes 0700: results and caches are for the team, as mkdir would (keeping a shared folder's setgid)
         os.chmod(tmp, (0o777 & ~_UMASK) | (os.stat(tmp).st_mode & stat.S_ISGID))
         yield tmp
-        if final.exists():  # another process finished the same content first: keep theirs
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, final)
+        with uninterruptible(final.name):
+            if final.exists():  # another process finished the same content first: keep theirs
+                shutil.rmtree(tmp)
+            else:
+                os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -47,9 +50,11 @@ def atomic_file(path: Path, mode: str = "w"):
         os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600: results are for the team to read, as open() would
         with os.fdopen(fd, mode) as f:
             yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+            with uninterruptible(path.name):  # the commit: a signal now waits until the file is in place
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
+                os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from eaglelab import preemption
 from eaglelab.batches import OnlineStates
 from eaglelab.config import RunConfig, max_k
 from eaglelab.data.prepare import CaptureSettings, PrepareStats, prepare_features
@@ -26,6 +27,7 @@ from eaglelab.errors import ConfigError, EaglelabError
 from eaglelab.evaluate import Serving, acceptance_rows, evaluate_simulated, held_out_in_vllm, vllm_wanted
 from eaglelab.export import TargetShape, load_checkpoint, save_drafter
 from eaglelab.io import atomic_write_text, write_csv
+from eaglelab.limits import as_disk_full, check_limits, measured_peaks
 from eaglelab.plots import plot_acceptance, plot_speedup
 from eaglelab.rundir import RunRecord, adopt_trained_settings, begin_attempt, end_attempt, is_primary
 from eaglelab.suites import SuiteInputs, check_suites, evaluate_suites, prepare_suites
@@ -36,13 +38,14 @@ log = logging.getLogger("eaglelab")
 
 
 class StageTimer:
-    """Wall seconds per stage (`time/<stage>_s` in metrics.json)."""
+    """Wall seconds per stage (`time/<stage>_s` in metrics.json); the stage a signal arrives in is named."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
 
     @contextlib.contextmanager
     def __call__(self, stage: str):
+        preemption.enter_stage(stage)
         t0 = time.perf_counter()
         try:
             yield
@@ -79,7 +82,14 @@ def run(cfg: RunConfig) -> Path:
         if cfg.logger.kind == "wandb":
             log_to_wandb(cfg, run_dir, metrics, record)
     except BaseException as e:
-        end_attempt(run_dir, record, error=e)
+        # A full disk, wherever it surfaced (cache, checkpoint, results): one line naming where and what to do.
+        disk_full = as_disk_full(e, run_dir, cfg.paths.cache_dir)
+        try:
+            end_attempt(run_dir, record, error=disk_full or e)
+        except OSError:
+            if disk_full is None:
+                raise
+            log.warning("could not record the failure in %s: the disk is still full", run_dir / "run.json")
         if cfg.logger.kind == "wandb":
             from eaglelab.tracking import finish_failed
 
@@ -87,6 +97,8 @@ def run(cfg: RunConfig) -> Path:
                 finish_failed()
             except Exception as w:  # never hide the run's own error behind W&B's
                 log.warning("could not close the W&B run (%s)", w)
+        if disk_full is not None:
+            raise disk_full from e
         raise
     end_attempt(run_dir, record, metrics)
     return run_dir
@@ -96,6 +108,7 @@ def log_to_wandb(cfg: RunConfig, run_dir: Path, metrics: dict, record: RunRecord
     """W&B is a view of the results, not the results: a failure to log is reported, the run still completes."""
     from eaglelab.tracking import log_results
 
+    preemption.enter_stage("wandb")
     try:
         log_results(cfg, run_dir, metrics)
     except Exception as e:  # W&B is a view of the results: any failure to log is reported, never fatal
@@ -113,11 +126,13 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
     use_vllm, backend = vllm_wanted(cfg), regen_backend(cfg)  # a required but missing vLLM fails now
     with timer("convert"):  # the target (SmolLM2's GGUF converted once, then cached), where training runs
         target = load_target(cfg.target, cfg.paths.cache_dir, device=target_device(cfg.train.accelerator))
-    check_fits_target(cfg, target)
     weights = target.weights()
     # 1. The drafter's config: built for this target, or the checkpoint's when only evaluating.
     drafter = load_to_evaluate(cfg, target, weights) if cfg.checkpoint else None
     model_cfg = drafter.cfg if drafter else build_model_config(cfg, target)
+    prompts = select_prompts(cfg)
+    # Sizes against this data, target and machine, before any work.
+    memory = check_limits(cfg, target, model_cfg, prompts.train if drafter is None else [], prompts.held_out)
     record.target, record.target_path = target.fingerprint, str(target.path)
     record.checkpoint = str(Path(cfg.checkpoint).resolve()) if cfg.checkpoint else None
     if primary:
@@ -131,7 +146,8 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
         record.vllm_skipped = "drafter.attention_window is not expressible in vLLM's Eagle3 drafter"
         use_vllm = False
     # 2. Prompts -> regenerate -> capture -> cache (shared by every run of this target and data).
-    data = prepare_data(cfg, target, model_cfg, timer, backend, train=drafter is None, evaluate=primary)
+    with timer("prepare"):
+        data = prepare_data(cfg, target, model_cfg, prompts, timer, backend, train=drafter is None, evaluate=primary)
     serving = Serving(target.path, target.max_context)
     # Online and hybrid features keep the frozen target for training; otherwise it is freed before training.
     online = (
@@ -141,6 +157,7 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
     )
     del target
     metrics: dict[str, float | int] = dict(data.metrics)
+    metrics.update(memory.metrics())
     # 3. Train (training-time test).
     if drafter is None:
         from eaglelab.tracking import training_loggers
@@ -180,6 +197,7 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
         )
     timer.seconds["total"] = time.time() - record.started
     metrics.update({f"time/{k}_s": v for k, v in timer.seconds.items()})
+    metrics.update(measured_peaks(memory.device))
     return metrics
 
 
@@ -194,14 +212,6 @@ def drafter_kept(run_dir: Path):
             f"{e} — the drafter is kept in {run_dir / 'drafter'}; evaluate it again with "
             f"`python src/run.py checkpoint={run_dir}`"
         ) from None
-
-
-def check_fits_target(cfg: RunConfig, target: Target) -> None:
-    if cfg.data.max_length > target.max_context:  # longer sequences would run past the target's positions
-        raise ConfigError(
-            f"data.max_length={cfg.data.max_length} exceeds the target's context window "
-            f"({target.max_context} tokens); lower data.max_length"
-        )
 
 
 def build_model_config(cfg: RunConfig, target: Target) -> Eagle3Config:
@@ -247,17 +257,14 @@ def write_resolved_config(cfg: RunConfig, run_dir: Path, model_cfg: Eagle3Config
     )
 
 
-def prepare_data(
-    cfg: RunConfig,
-    target: Target,
-    model_cfg: Eagle3Config,
-    timer: StageTimer,
-    backend: str,
-    train: bool = True,
-    evaluate: bool = True,
-) -> PreparedData:
-    """Training prompts and held-out evaluation prompts (never overlapping), regenerated and captured.
-    `evaluate=False` (a DDP helper process): the training data only."""
+@dataclass
+class Prompts:
+    train: list  # training prompts, none of them held out
+    held_out: list  # held-out evaluation prompts
+
+
+def select_prompts(cfg: RunConfig) -> Prompts:
+    """Training prompts and held-out evaluation prompts, never overlapping."""
     eval_prompts = (
         humaneval_prompts() if cfg.eval.prompts == "humaneval" else load_source(cfg.eval.prompts, cfg.data.skip_empty)
     )
@@ -267,6 +274,21 @@ def prepare_data(
     kept = [p for p in train_prompts if json.dumps(p, sort_keys=True) not in held_out]
     if len(kept) < len(train_prompts):
         log.warning("dropped %d training prompts that are also evaluation prompts", len(train_prompts) - len(kept))
+    return Prompts(kept, eval_prompts)
+
+
+def prepare_data(
+    cfg: RunConfig,
+    target: Target,
+    model_cfg: Eagle3Config,
+    prompts: Prompts,
+    timer: StageTimer,
+    backend: str,
+    train: bool = True,
+    evaluate: bool = True,
+) -> PreparedData:
+    """The training and held-out prompts regenerated and captured. `evaluate=False` (a DDP helper process): the
+    training data only."""
     capture = CaptureSettings(
         cache_dir=cfg.paths.cache_dir,
         aux_layer_ids=list(model_cfg.aux_layer_ids),
@@ -280,7 +302,7 @@ def prepare_data(
     if train:
         out.train, train_stats = prepare_features(
             target,
-            kept,
+            prompts.train,
             name="train",
             max_new_tokens=cfg.data.max_new_tokens,
             val_fraction=cfg.data.val_fraction,
@@ -291,11 +313,11 @@ def prepare_data(
     if not evaluate:
         return out
     out.held_out, eval_stats = prepare_features(
-        target, eval_prompts, name="eval", max_new_tokens=cfg.eval.max_new_tokens, **asdict(capture)
+        target, prompts.held_out, name="eval", max_new_tokens=cfg.eval.max_new_tokens, **asdict(capture)
     )
     for stage in ("regenerate", "capture"):
         timer.seconds[stage] = train_stats.seconds.get(stage, 0.0) + eval_stats.seconds[stage]
-    out.suites = prepare_suites(cfg, target, eval_prompts, capture)
+    out.suites = prepare_suites(cfg, target, prompts.held_out, capture)
     timer.seconds["prepare_suites"] = out.suites.seconds
     out.metrics = {
         "data/skipped_too_long": train_stats.skipped_too_long + eval_stats.skipped_too_long,

@@ -10,6 +10,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from eaglelab.preemption import uninterruptible  # noqa: E402
+
 # Okabe-Ito: distinguishable under the common colour-vision deficiencies.
 PALETTE = ["#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000"]
 
@@ -132,9 +134,11 @@ def plot_speedup(run_dir: Path, title: str) -> Path:
 
 # --- evaluation suites (run_dir/suites/) ------------------------------------------------------------
 def save_figure(fig, out: Path) -> Path:
-    """PNG to look at, PDF for the paper."""
-    fig.savefig(out, dpi=120)
-    fig.savefig(out.with_suffix(".pdf"))
+    """PNG to look at, PDF for the paper. Drawn uninterrupted: Agg's C++ renderer calls back into Python and turns
+    an interrupt raised there into a ValueError (eaglelab.preemption)."""
+    with uninterruptible("figure"):
+        fig.savefig(out, dpi=120)
+        fig.savefig(out.with_suffix(".pdf"))
     plt.close(fig)
     return out
 

@@ -21,6 +21,7 @@ import torch
 from omegaconf import OmegaConf
 
 import eaglelab
+from eaglelab import preemption
 from eaglelab.config import RunConfig
 from eaglelab.errors import EaglelabError
 from eaglelab.io import atomic_write_json, write_csv
@@ -54,12 +55,16 @@ class RunRecord:
     torch: str = torch.__version__
     host: str = platform.node()
     first_started: float | None = None  # a resumed run: when its first attempt started
+    # A resumed run: how each earlier attempt ended (status, the signal and the stage it arrived in, error);
+    # "running" means it was killed without a chance to say (SIGKILL, a dead node).
+    earlier: list | None = None
     target: str | None = None  # the target's fingerprint
     target_path: str | None = None
     checkpoint: str | None = None  # evaluation only: the drafter evaluated
     evaluator: str | None = None  # simulated | simulated+vllm
     vllm_skipped: str | None = None  # why vLLM did not evaluate this drafter
     wandb_error: str | None = None
+    signal: dict | None = None  # the signal that stopped this attempt: name, stage, the write it waited for
     error: str | None = None
     traceback: str | None = None
     finished: float | None = None
@@ -75,6 +80,8 @@ class RunRecord:
         )
         if previous:
             record.first_started = previous.get("first_started", previous.get("started"))
+            ended = {k: previous[k] for k in ("attempt", "status", "signal", "error") if previous.get(k) is not None}
+            record.earlier = previous.get("earlier", []) + [ended]
         return record
 
     def write(self, run_dir: Path) -> None:
@@ -107,6 +114,7 @@ def end_attempt(
         return
     interrupted = isinstance(error, (KeyboardInterrupt, SystemExit))  # SystemExit: submitit's requeue
     record.status = "interrupted" if interrupted else "failed"
+    record.signal = preemption.received()
     record.error = f"{type(error).__name__}: {error}"
     if not isinstance(error, (EaglelabError, KeyboardInterrupt, SystemExit)):
         record.traceback = traceback.format_exc()

@@ -17,6 +17,7 @@ from eaglelab.data.store import Sequences
 from eaglelab.data.vocab import draft_vocab
 from eaglelab.drafter import Eagle3Config, Eagle3Drafter
 from eaglelab.errors import EaglelabError
+from eaglelab.preemption import uninterruptible
 from eaglelab.rundir import is_primary, keep_previous_log, merge_logs
 from eaglelab.targets import TargetWeights
 from eaglelab.training import (
@@ -118,7 +119,8 @@ def readable_checkpoint(ckpt: Path) -> dict | None:
     if not ckpt.exists():
         return None
     try:
-        return torch.load(ckpt, map_location="cpu", weights_only=False)
+        with uninterruptible("checkpoint read"):  # an interrupt inside torch.load would read as a torn file
+            return torch.load(ckpt, map_location="cpu", weights_only=False)
     except Exception as e:  # any unreadable checkpoint means: start training again
         log.warning("%s cannot be read (%s): training starts again", ckpt, type(e).__name__)
         return None

@@ -27,6 +27,7 @@ from eaglelab.config import TrainConfig
 from eaglelab.drafter import Eagle3Config, Eagle3Drafter
 from eaglelab.errors import TrainingError
 from eaglelab.io import atomic_file
+from eaglelab.preemption import uninterruptible
 
 
 class EpochBatches(Sampler):
@@ -110,11 +111,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """Checkpoints written whole or not at all. Lightning's own save stages the file in the system temp
     folder and `shutil.move`s it, which is a copy (not atomic) when that is another filesystem — node-local
     /tmp, results on NFS: a job killed mid-copy would leave a torn last.ckpt. Here the temporary file sits
-    next to the checkpoint and is renamed over it."""
+    next to the checkpoint and is renamed over it. A signal arriving meanwhile is acted on after it
+    (eaglelab.preemption): raised inside torch.save's write it would tear the file and turn into a RuntimeError."""
 
     def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
-        with atomic_file(Path(path), "wb") as f:
+        with uninterruptible("checkpoint"), atomic_file(Path(path), "wb") as f:
             torch.save(checkpoint, f)
+
+    def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict:
+        with uninterruptible("checkpoint read"):  # torch.load reads through Python's file from C++ too
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
 
 class StopOnNonFinite(L.Callback):

@@ -27,6 +27,7 @@ import gc
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -63,6 +64,15 @@ def cuda_available() -> bool:
 
 
 # --- the caller's side ---------------------------------------------------------------------------
+def _die_with_parent() -> None:
+    """In the engine process, before vLLM starts: the kernel kills it when the run dies (SIGKILL, a dead node
+    leaves no chance to clean up), so an orphaned engine never holds the accelerator or races the rerun's."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def run_engine(job: dict, workdir: Path, timeout: int = 3600, desc: str = "vLLM") -> dict:
     """Run one job in a fresh engine process; its log goes to `workdir/vllm.log`. Raises EaglelabError
     naming the log when the engine fails, so the caller can mark its stage failed and keep the rest."""
@@ -85,6 +95,7 @@ def run_engine(job: dict, workdir: Path, timeout: int = 3600, desc: str = "vLLM"
     ):
         proc = subprocess.Popen(
             [sys.executable, "-m", "eaglelab.vllm_engine", str(job_path), str(out_path)],
+            preexec_fn=_die_with_parent,
             env=env,
             stdout=subprocess.PIPE,
             stderr=log,
@@ -103,10 +114,10 @@ def run_engine(job: dict, workdir: Path, timeout: int = 3600, desc: str = "vLLM"
         reader.start()
         try:
             proc.wait(timeout=timeout)
-        except (subprocess.TimeoutExpired, KeyboardInterrupt) as e:
+        except BaseException as e:  # a timeout, an interrupt, submitit's requeue (SystemExit)
             proc.kill()  # never leave an engine behind (it holds the accelerator or all cores)
             proc.wait()
-            if isinstance(e, KeyboardInterrupt):
+            if not isinstance(e, subprocess.TimeoutExpired):
                 raise
             raise EaglelabError(
                 f"vLLM engine timed out after {timeout} s; see {log_path} "

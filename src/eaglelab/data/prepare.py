@@ -42,10 +42,15 @@ from eaglelab.data.store import (
     write_token_shard,
 )
 from eaglelab.data.templates import template_prompt
-from eaglelab.errors import DataError
+from eaglelab.errors import DataError, ResourceError
+from eaglelab.limits import free_bytes, size_text
 
 log = logging.getLogger(__name__)
 CACHE_VERSION = 4  # bump when the stored layout or its meaning changes (4: sharded token and state stores)
+# Bytes on disk besides the values (eaglelab.data.store; measured on real shards): Arrow's framing of a sequence
+# (its record batch's metadata and footer entry: ~400 bytes in a state shard), of a shard file, and vLLM's
+# responses as JSON text while a regeneration runs (~6 characters per token id).
+SEQUENCE_FRAMING, SHARD_FRAMING, JSON_BYTES_PER_TOKEN = 512, 4096, 7
 
 
 @dataclass
@@ -152,6 +157,12 @@ def prepare_features(
     )
     feat_key = cache_key(v=CACHE_VERSION, regen=regen_key, aux=list(aux_layer_ids), final=with_final)
     regen_dir, feat_dir = cache_dir / "regen" / regen_key, cache_dir / "features" / feat_key
+    state_bytes = len(aux_layer_ids) * target.hidden_size * 2 + 4 + (target.hidden_size * 2 if with_final else 0)
+    check_disk_space(
+        cache_dir, name, [len(ids) for ids in templated], shards, regen_dir, feat_dir,
+        max_new_tokens=max_new_tokens, limit=limit, backend=backend,
+        state_bytes=state_bytes if features != "online" else 0,  # hybrid writes them in its first epoch
+    )  # fmt: skip
     t0 = time.perf_counter()
     with contextlib.ExitStack() as locks:
         locks.enter_context(entry_lock(regen_dir))
@@ -186,6 +197,43 @@ def prepare_features(
     stats.tokens = int(lengths.sum())
     stats.response_tokens = int((lengths - data.tokens.prompt_len).sum())
     return data, stats
+
+
+def check_disk_space(
+    cache_dir: Path, name: str, prompt_lengths: list[int], shards: list[list[int]], regen_dir: Path,
+    feat_dir: Path, *, max_new_tokens: int, limit: int, backend: str, state_bytes: int,
+) -> None:  # fmt: skip
+    """Refuse, before any regeneration, a cache entry larger than the free space where it goes. A sequence holds
+    at most min(prompt + max_new_tokens, limit) tokens; a token shard stores 4 bytes per token (int32 ids), a
+    state shard `state_bytes` per token (the aux states' and the final state's bf16 bits, the int32 label).
+    Shards already on disk (a resumed preparation, a complete entry) are not counted again."""
+    tokens_done, states_done = shards_done(regen_dir), shards_done(feat_dir)
+    need, states_need, sequences = 0, 0, 0
+    for i, shard in enumerate(shards):
+        write_tokens, write_states = i not in tokens_done, state_bytes > 0 and i not in states_done
+        if not (write_tokens or write_states):
+            continue
+        tokens = sum(min(prompt_lengths[j] + max_new_tokens, limit) for j in shard)
+        framing = len(shard) * SEQUENCE_FRAMING + SHARD_FRAMING
+        responses_json = len(shard) * max_new_tokens * JSON_BYTES_PER_TOKEN if backend == "vllm" else 0
+        sequences += len(shard)
+        if write_tokens:
+            need += tokens * 4 + framing + responses_json
+        if write_states:
+            states_need += tokens * state_bytes + framing
+    free = free_bytes(cache_dir)
+    if need + states_need <= free:
+        return
+    if name == "train":
+        fix = "lower data.num_prompts or data.max_length"
+        fix += f", or use features=online (token ids only: ~{size_text(need)})" if states_need else ""
+    else:  # the held-out set and the suites' sets
+        fix = "lower eval.num_prompts (or the suite's num_prompts)"
+    raise ResourceError(
+        f"caching the {name} data needs up to {size_text(need + states_need)} ({sequences} sequences of at most "
+        f"{limit} tokens{f', {state_bytes} bytes of states per token' if states_need else ''}) but "
+        f"{cache_dir} has {size_text(free)} free; free space under paths.cache_dir, {fix}"
+    )
 
 
 def _shard_rows(shards: list[list[int]]) -> list[tuple[str, list[int]]]:

@@ -28,6 +28,7 @@ import pyarrow as pa
 import torch
 
 from eaglelab.io import atomic_file, atomic_write_json, file_lock
+from eaglelab.preemption import uninterruptible
 
 TOKENS = pa.schema([("input_ids", pa.list_(pa.int32())), ("prompt_len", pa.int32()), ("is_val", pa.bool_())])
 COMPLETE = "complete.json"
@@ -61,7 +62,7 @@ def write_token_shard(path: Path, rows: list[tuple[list[int], int, bool]]) -> No
     """rows: (input_ids, prompt_len, is_val) per sequence, in the shard's order."""
     ids, plen, val = zip(*rows)
     batch = pa.record_batch([pa.array(ids, pa.list_(pa.int32())), pa.array(plen, pa.int32()), pa.array(val)], TOKENS)
-    with atomic_file(path, "wb") as f, pa.ipc.new_file(f, TOKENS) as writer:
+    with uninterruptible("token shard"), atomic_file(path, "wb") as f, pa.ipc.new_file(f, TOKENS) as writer:
         writer.write_batch(batch)
 
 
@@ -79,12 +80,14 @@ class StateWriter:
         arrays = [_list(bf16_bits(aux), pa.uint16()), _list(target_next.detach().cpu().int().numpy(), pa.int32())]
         if "final" in self.schema.names:
             arrays.append(_list(bf16_bits(final), pa.uint16()))
-        self._writer.write_batch(pa.record_batch(arrays, self.schema))
+        with uninterruptible("state shard"):  # pyarrow writes through Python's file: never interrupted mid-batch
+            self._writer.write_batch(pa.record_batch(arrays, self.schema))
         self.rows.append(int(row))
 
     def close(self) -> list[int]:
-        self._writer.close()
-        self._file.__exit__(None, None, None)
+        with uninterruptible("state shard"):
+            self._writer.close()
+            self._file.__exit__(None, None, None)
         return self.rows
 
     def abort(self) -> None:

@@ -1,0 +1,553 @@
+"""Limits checked before any work: does a run of this size fit this data, this target and this machine?
+
+A mistyped size used to surface late and badly: a `train.ttt_steps` far beyond any sequence ran until the kernel
+killed the process (exit 137, no message). `check_limits` runs in `eaglelab.pipeline.execute` once the target is
+loaded (its shape is known) and before regeneration or training starts, and refuses with one line that names the
+setting to change:
+
+1. `data.max_length` against the target's context window;
+2. draft depths against the responses they draft on (`eaglelab.config.check_depths_and_lengths`, once more: an
+   evaluated checkpoint brings its own `train.ttt_steps`);
+3. the precisions against the device (`check_precision`);
+4. the run's peak memory against what the device has free (`estimate_memory`).
+
+The disk a cache entry needs is checked where the prompts' lengths are known (`eaglelab.data.prepare`); a disk
+that fills up anyway becomes one `DiskFull` error (`as_disk_full`, called once, by `eaglelab.pipeline.run`).
+
+Memory model. The peak of this process is what it holds when the check runs (measured: resident memory, which
+includes the imports and the loaded target; on a GPU the memory torch has reserved there) plus the largest of
+what each stage adds on top, each counted from what the code keeps alive at its worst moment:
+
+    regenerate  HF generate (`data.regen_backend=hf`; vLLM generates in its own process): the KV cache of a batch
+                of data.regen_batch_size sequences, the prefill's eager attention scores and MLP of one layer,
+                and the states captured in the same pass;
+    capture     one whole-sequence forward of up to 4 sequences and 8192 tokens (`prepare._batches`): one
+                layer's activations, the aux states the hooks keep, the logits of the labelled positions;
+    train       the drafter, its gradients and AdamW's two moments, and what autograd keeps for one batch of
+                train.batch_size sequences over train.ttt_steps draft steps (`ttt_kept_bytes`) plus what the
+                unroll holds besides (`unroll_alive_bytes`); with online or hybrid features the target's forward
+                over that batch; validation unrolls 2·ttt_steps steps without gradients; on a CPU with 16-bit
+                matmul kernels, what oneDNN keeps per matmul shape (`kernel_cache_bytes`);
+    evaluate    the simulated evaluator's unroll to max_k draft steps (float32, no gradients) over a batch of the
+                held-out sequences, or of a suite's.
+
+A stage's working set is multiplied by the allocator's slack (`ALLOCATOR_SLACK`, measured). Sequence lengths come
+from the prompts themselves, templated as regeneration will template them (`prompt_sets`): the longest prompt
+plus its max_new_tokens, at most data.max_length; every batch is taken to be as long as the longest sequence.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import resource
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from eaglelab.config import RunConfig, check_depths_and_lengths, max_k
+from eaglelab.drafter import Attention, Eagle3Config
+from eaglelab.errors import ConfigError, DiskFull, ResourceError
+from eaglelab.targets import Target, free_memory
+
+log = logging.getLogger("eaglelab")
+GB = 1e9
+# A step's memory at its peak over what it holds: the allocator's slack (glibc's heap keeps freed fragments, CUDA's
+# caching allocator rounds and splits blocks) and the transients beside the largest one counted. Measured on the
+# CPU: 1.11-1.19 over training steps of the SmolLM2 drafter of one shape (B 2-16, T 256-1024, 1-8 draft steps);
+# not measured on a GPU, taken the same.
+ALLOCATOR_SLACK = {"cpu": 1.2, "cuda": 1.2}
+KERNELS_PER_NEW_BATCH = 22_000_000  # oneDNN's compiled kernels for one batch of new shapes (measured, SmolLM2 drafter)
+CAPTURE_TOKENS = 8192  # eaglelab.data.prepare._batches: padded tokens per whole-sequence capture forward
+CAPTURE_BATCH = 4  # prepare_features' capture_batch_size
+
+
+def check_limits(
+    cfg: RunConfig, target: Target, drafter: Eagle3Config, train_prompts: list, held_out_prompts: list
+) -> MemoryEstimate:
+    """Every limit this run must respect, checked before any work; -> the memory estimate (for metrics.json).
+    The prompts (not yet regenerated) bound the sequences' lengths; `train_prompts` is empty when only evaluating."""
+    check_fits_context(cfg, target)
+    check_depths_and_lengths(cfg)
+    check_precision(cfg, target.device)
+    sets = prompt_sets(cfg, target, train_prompts, held_out_prompts)
+    estimate = estimate_memory(cfg, target, drafter, sets)
+    log.info("memory estimate: %s", estimate)
+    check_fits_memory(estimate)
+    if estimate.device.type == "cuda":  # evaluation runs on the host (Lightning moves the drafter back after fit)
+        check_fits_memory(estimate_host_evaluation(cfg, target, drafter, sets))
+    return estimate
+
+
+def check_fits_context(cfg: RunConfig, target: Target) -> None:
+    if cfg.data.max_length > target.max_context:  # longer sequences would run past the target's positions
+        raise ConfigError(
+            f"data.max_length={cfg.data.max_length} exceeds the target's context window "
+            f"({target.max_context} tokens); lower data.max_length"
+        )
+
+
+# --- precision -----------------------------------------------------------------------------------------------
+LEGACY_PRECISIONS = {16: "16-mixed", "16": "16-mixed", "bf16": "bf16-mixed", 32: "32-true", 64: "64-true"}
+
+
+def precision_name(precision: str | int) -> str:
+    """Lightning's name for a train.precision value (16, 32, 64 and bf16 are its older spellings)."""
+    return LEGACY_PRECISIONS.get(precision, str(precision))
+
+
+def check_precision(cfg: RunConfig, device: torch.device) -> None:
+    """Precisions the device cannot run, refused instead of swapped or emulated behind the run's back."""
+    precision = precision_name(cfg.train.precision)
+    training = cfg.checkpoint is None
+    on_cpu = device.type == "cpu" and cfg.train.accelerator != "tpu"  # (a TPU run keeps its target on the host)
+    if on_cpu and training and precision == "16-mixed":
+        # Lightning would train bf16-mixed instead (a warning in the log) and the run would be labelled 16-mixed.
+        raise ConfigError(
+            f"train.precision={cfg.train.precision}: float16 autocast does not exist on the CPU (Lightning would "
+            "quietly train bf16-mixed instead); use train.precision=bf16-mixed or 32-true"
+        )
+    if device.type == "cuda" and not _cuda_has_bf16(device):
+        name = torch.cuda.get_device_name(device)
+        if training and precision.startswith("bf16"):
+            raise ConfigError(
+                f"train.precision={cfg.train.precision} needs bfloat16, which {device} ({name}) lacks; "
+                "use train.precision=16-mixed or 32-true"
+            )
+        if cfg.target.dtype == "bfloat16":
+            raise ConfigError(
+                f"target.dtype=bfloat16 needs bfloat16, which {device} ({name}) lacks; use target.dtype=float16"
+            )
+    if device.type == "mps" and training and precision == "64-true":
+        raise ConfigError("train.precision=64-true: MPS has no float64; use train.precision=32-true")
+
+
+def _cuda_has_bf16(device: torch.device) -> bool:
+    major, _ = torch.cuda.get_device_capability(device)
+    return major >= 8  # Ampere and later; older GPUs only emulate it, several times slower
+
+
+def activation_bytes(precision: str | int) -> tuple[int, int]:
+    """(bytes of a matmul's input and output, bytes of a residual-stream state) under a Lightning precision.
+    Mixed precision autocasts matmuls to 16 bits; RMSNorm computes in float32 (`eaglelab.drafter.RMSNorm`)."""
+    p = precision_name(precision)
+    if p == "64-true":
+        return 8, 8
+    return (2, 4) if p.startswith(("bf16", "16")) else (4, 4)
+
+
+def parameter_bytes(precision: str | int) -> int:
+    """Bytes per parameter, gradient and Adam moment: 16 bits under *-true half precision, else float32 masters."""
+    p = precision_name(precision)
+    return {"bf16-true": 2, "16-true": 2, "64-true": 8}.get(p, 4)
+
+
+# --- memory --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TargetShape:
+    """The sizes of the target the memory terms are made of (from its config)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    dtype_bytes: int
+    max_context: int
+
+    @classmethod
+    def of(cls, target: Target) -> TargetShape:
+        c = target.model.config
+        heads = c.num_attention_heads
+        return cls(
+            layers=c.num_hidden_layers,
+            hidden=c.hidden_size,
+            heads=heads,
+            kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            intermediate=c.intermediate_size,
+            vocab=c.vocab_size,
+            dtype_bytes=next(target.model.parameters()).element_size(),
+            max_context=target.max_context,
+        )
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """A prompt set this run regenerates, as far as memory goes: its longest prompt and sequence in tokens."""
+
+    name: str  # "train", "held-out", "long_context", "templates"
+    batch: int  # regeneration batch
+    prompt: int  # longest prompt
+    sequence: int  # longest prompt + response, at most the length limit
+    response: int  # longest response
+    bound: str  # what limits `sequence`, for an error line: "data.max_length=1024" or "sequences of up to 487 tokens"
+    trained_on: int = 0  # sequences outside the validation split (the training set only)
+
+
+def prompt_sets(cfg: RunConfig, target: Target, train_prompts: list, held_out_prompts: list) -> list[PromptSet]:
+    """The longest prompt of each set in the target's template (prompts that leave no room for an answer are
+    skipped, as `eaglelab.data.prepare` skips them), and so the longest sequence regeneration can make."""
+    from eaglelab.data.prompts import is_validation
+    from eaglelab.data.templates import renderer
+
+    data, suites = cfg.data, cfg.eval.suites
+    native = renderer("native", data.system_prompt)
+    sets = []
+
+    def add(name, prompts, render, max_new_tokens, limit, batch, at_limit):
+        kept = [(n, m) for n, m in ((len(render(target.tokenizer, m)), m) for m in prompts) if n + 8 <= limit]
+        if kept:
+            prompt = max(n for n, _ in kept)
+            sequence = min(prompt + max_new_tokens, limit)
+            bound = at_limit if sequence == limit else f"sequences of up to {sequence} tokens"
+            trained_on = sum(not is_validation(m, data.val_fraction) for _, m in kept) if name == "train" else 0
+            response = min(max_new_tokens, sequence - prompt)
+            sets.append(PromptSet(name, batch, prompt, sequence, response, bound, trained_on))
+
+    limit, at_limit = min(data.max_length, target.max_context), f"data.max_length={data.max_length}"
+    add("train", train_prompts, native, data.max_new_tokens, limit, data.regen_batch_size, at_limit)
+    add("held-out", held_out_prompts, native, cfg.eval.max_new_tokens, limit, data.regen_batch_size, at_limit)
+    if suites.templates.enabled:  # the held-out prompts under every condition, in the target's whole window
+        for condition in suites.templates.conditions:
+            add(
+                "templates", held_out_prompts, renderer(condition, data.system_prompt), suites.templates.max_new_tokens,
+                target.max_context, data.regen_batch_size, f"the target's window of {target.max_context} tokens",
+            )  # fmt: skip
+    lc = suites.long_context
+    if lc.enabled:  # prompts built to each length, clipped to the window
+        prompt = min(max(lc.lengths), target.max_context - lc.max_new_tokens - 8)
+        batch = min(data.regen_batch_size, lc.num_prompts)
+        bound = f"eval.suites.long_context.lengths up to {max(lc.lengths)}"
+        sets.append(PromptSet("long_context", batch, prompt, prompt + lc.max_new_tokens, lc.max_new_tokens, bound))
+    return sets
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """What one stage adds at its peak, and the settings that size it (for the error line)."""
+
+    bytes: int
+    sized_by: str  # e.g. "train.batch_size=64 × data.max_length=2048 × train.ttt_steps=12"
+    fix: str  # e.g. "train.batch_size, data.max_length or train.ttt_steps"
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    device: torch.device
+    base: int  # bytes this process holds now (measured)
+    free: int | None  # bytes free on the device now; None where it cannot be known
+    stages: dict[str, StageCost] = field(default_factory=dict)
+
+    @property
+    def peak_stage(self) -> str:
+        return max(self.stages, key=lambda s: self.stages[s].bytes)
+
+    @property
+    def peak(self) -> int:
+        return self.base + (self.stages[self.peak_stage].bytes if self.stages else 0)
+
+    def metrics(self) -> dict[str, float]:
+        return {"memory/estimate_gb": round(self.peak / GB, 3)}
+
+    def __str__(self) -> str:
+        free = "unknown" if self.free is None else f"{self.free / GB:.1f} GB"
+        stages = ", ".join(f"{name} +{cost.bytes / GB:.2f}" for name, cost in self.stages.items())
+        return (
+            f"~{self.peak / GB:.2f} GB at the peak on {self.device} ({self.base / GB:.2f} GB held now; {stages}); "
+            f"{free} free"
+        )
+
+
+def estimate_memory(cfg: RunConfig, target: Target, drafter: Eagle3Config, sets: list[PromptSet]) -> MemoryEstimate:
+    """This process's peak memory on the training device for this run (see the module's docstring)."""
+    t, device, n_aux = TargetShape.of(target), target.device, len(drafter.aux_layer_ids)
+    slack = ALLOCATOR_SLACK["cuda" if device.type == "cuda" else "cpu"]
+    stages: dict[str, StageCost] = {}
+    if sets and (cfg.data.regen_backend == "hf" or (cfg.data.regen_backend == "auto" and not _vllm_installed())):
+        worst = max(sets, key=lambda s: regeneration_bytes(t, n_aux, s.batch, s.prompt, s.sequence))
+        stages["regenerate"] = StageCost(
+            int(slack * regeneration_bytes(t, n_aux, worst.batch, worst.prompt, worst.sequence)),
+            f"data.regen_batch_size={cfg.data.regen_batch_size} × {worst.bound} ({worst.name})",
+            "data.regen_batch_size or data.max_length",
+        )
+    if sets:
+        worst = max(sets, key=lambda s: cached_capture_bytes(t, n_aux, s.sequence, s.response))
+        stages["capture"] = StageCost(
+            int(slack * cached_capture_bytes(t, n_aux, worst.sequence, worst.response)),
+            f"{worst.bound} ({worst.name})",
+            "data.max_length",
+        )
+    train = next((s for s in sets if s.name == "train"), None)
+    if train is not None:
+        stages["train"] = StageCost(
+            int(train_bytes(cfg, t, drafter, train, slack, device)),
+            f"train.batch_size={cfg.train.batch_size} × {train.bound} × train.ttt_steps={cfg.train.ttt_steps}",
+            "train.batch_size, data.max_length or train.ttt_steps",
+        )
+    if device.type != "cuda" and sets:
+        stages["evaluate"] = evaluation_cost(cfg, drafter, sets, slack)
+    return MemoryEstimate(device, _held_now(device), free_memory(device), stages)
+
+
+def estimate_host_evaluation(
+    cfg: RunConfig, target: Target, drafter: Eagle3Config, sets: list[PromptSet]
+) -> MemoryEstimate:
+    """A GPU run's evaluation, on the host."""
+    cpu = torch.device("cpu")
+    stages = {"evaluate": evaluation_cost(cfg, drafter, sets, ALLOCATOR_SLACK["cpu"])} if sets else {}
+    return MemoryEstimate(cpu, _held_now(cpu), free_memory(cpu), stages)
+
+
+def check_fits_memory(estimate: MemoryEstimate) -> None:
+    if estimate.free is None or not estimate.stages:
+        return
+    stage = estimate.stages[estimate.peak_stage]
+    if stage.bytes <= estimate.free:
+        return
+    raise ResourceError(
+        f"this run needs ~{estimate.peak / GB:.1f} GB at its peak ({estimate.peak_stage}: {stage.sized_by}), "
+        f"{stage.bytes / GB:.1f} GB more than it holds now, but {estimate.device} has {estimate.free / GB:.1f} GB "
+        f"free; lower {stage.fix}"
+    )
+
+
+def regeneration_bytes(t: TargetShape, n_aux: int, batch: int, prompt: int, sequence: int) -> int:
+    """`eaglelab.data.regenerate.generate`, one batch: prompts of up to `prompt` tokens growing to `sequence`."""
+    e = t.dtype_bytes
+    kv_cache = batch * sequence * t.layers * 2 * t.kv_heads * t.head_dim * e
+    # Eager attention of one prefill layer: scores in the target's dtype, softmax in float32, cast back.
+    prefill = batch * t.heads * prompt * prompt * (e + 4 + e) + 3 * batch * prompt * t.intermediate * e
+    captured = 2 * batch * sequence * (n_aux + 1) * t.hidden * e  # per step, then concatenated per sequence
+    logits = batch * t.vocab * (e + 4)  # the last position's (logits_to_keep=1), for the greedy token
+    return kv_cache + prefill + captured + logits
+
+
+def capture_bytes(t: TargetShape, n_aux: int, tokens: int, labelled: int) -> int:
+    """`eaglelab.data.capture.capture_states`: one forward of `tokens` padded positions without gradients (SDPA:
+    no T×T scores): one layer's hidden states, q/k/v and MLP activations, the aux and final states the hooks
+    keep, and the target's logits at the `labelled` positions (the responses')."""
+    e = t.dtype_bytes
+    layer = tokens * (4 * t.hidden + 2 * t.kv_heads * t.head_dim + 3 * t.intermediate) * e
+    kept = tokens * (n_aux + 2) * t.hidden * e  # aux states, final, last hidden
+    return layer + kept + labelled * (t.vocab + t.hidden) * e
+
+
+def cached_capture_bytes(t: TargetShape, n_aux: int, longest: int, response: int) -> int:
+    """Cached capture (`eaglelab.data.prepare._capture`): batches of up to 4 sequences and 8192 padded tokens."""
+    per_batch = max(1, min(CAPTURE_BATCH, CAPTURE_TOKENS // longest))
+    return capture_bytes(t, n_aux, per_batch * longest, per_batch * min(response, longest))
+
+
+def ttt_kept_bytes(
+    batch: int, length: int, steps: int, response: int, d: Eagle3Config, lowp: int, stream: int, kl: bool
+) -> int:
+    """What autograd keeps for the backward pass of one training batch (`DrafterModule.ttt` over
+    `Eagle3Drafter.unroll`), term by term; counted by shape with torch.autograd.graph.saved_tensors_hooks on the
+    SmolLM2 drafter, which it matches within 1%. B sequences of T positions (steps >= 2 run from the prompt's
+    last token on: at most all T). Bytes per position, decoder layer and draft step j:
+
+        7·H         residual-stream states: the RMSNorms' inputs and outputs (float32 under mixed precision)
+        4·M         the MLP's gate, SiLU, up and product (M its width), in the autocast dtype, as are:
+        12·H, 9·H   the projections' inputs (step 1 reads [embedding; hidden] into q/k/v; later steps less)
+        h·(T+j-1)   attention probabilities over the T context keys and the step's own j-1 earlier drafts
+        T           the attention mask (bool)
+        4·d         the rotary embedding's cos and sin, for q and for k
+        step 1:     fc's input (n_aux·H_t), q and k (3·h·d)
+        step j>=2:  q, and the j-1 earlier drafts' keys and values repeated to every head (2·j·h·d)
+
+    and per step the context's keys and values repeated to every head (2·B·T·h·d, made anew each step); per
+    label and step (at most `response` - j per sequence) the log-probabilities over the draft vocabulary in
+    float32 (4·V_d; KL keeps the teacher's distribution too) and lm_head's input (H)."""
+    H, M, hd, h = d.hidden_size, d.intermediate_size, d.num_attention_heads * d.head_dim, d.num_attention_heads
+    n_aux_width = len(d.aux_layer_ids) * d.target_hidden_size
+    B, T = batch, length
+    per_layer = (
+        B * T * (stream * 7 * H + lowp * (4 * M + 12 * H + 3 * hd + 4 * d.head_dim) + lowp * h * T + T)
+        + B * T * lowp * n_aux_width
+    )
+    for j in range(2, steps + 1):
+        per_layer += (
+            B * T * (stream * 7 * H + lowp * (4 * M + 9 * H + 2 * j * hd + 4 * d.head_dim) + lowp * h * (T + j - 1) + T)
+        )
+        per_layer += 2 * lowp * B * T * hd
+    labels = sum(B * max(response - j, 0) for j in range(1, steps + 1))
+    return d.num_layers * per_layer + labels * (4 * d.draft_vocab_size * (2 if kl else 1) + lowp * H)
+
+
+def unroll_alive_bytes(batch: int, length: int, steps: int, rows: int, d: Eagle3Config, lowp: int, stream: int) -> int:
+    """What an unroll holds besides autograd's share (or, without gradients, all it holds): every step's
+    states scattered to the full length (3 × [B, T, H]), the attention caches (k, v per step and layer), and the
+    largest transient: one attention block's score chain (scores, masked, concatenated) or one step's logits
+    over the draft vocabulary at its `rows` labelled positions (16 bits out of lm_head, float32, log-softmax)."""
+    H, h, B, T = d.hidden_size, d.num_attention_heads, batch, length
+    kv = d.num_key_value_heads * d.head_dim
+    outs = 3 * steps * B * T * H * stream
+    caches = d.num_layers * 2 * steps * B * T * kv * lowp
+    context = 2 * B * T * h * d.head_dim * lowp  # the context's keys and values repeated to every head, this step
+    scores = 3 * lowp * min(B * h * T * (T + steps), max(Attention.MAX_SCORES, B * h * T))
+    logits = rows * d.draft_vocab_size * (lowp + 4 + 4)
+    return outs + caches + context + max(scores, logits)
+
+
+def train_bytes(
+    cfg: RunConfig, t: TargetShape, d: Eagle3Config, data: PromptSet, slack: float, device: torch.device
+) -> float:
+    """The train stage: the drafter (its frozen copy of the embeddings included) and the KL teacher's head rows;
+    gradients, AdamW's two moments and the update's temporaries per trainable parameter; one batch's
+    activations (autograd's share and the rest), or validation's 2·ttt_steps-step unroll without gradients."""
+    train = cfg.train
+    lowp, stream = activation_bytes(train.precision)
+    p = parameter_bytes(train.precision)
+    trainable = _trainable_parameters(d)
+    drafter = (trainable + d.vocab_size * d.hidden_size) * p + d.draft_vocab_size * d.target_hidden_size * 4
+    optimizer = trainable * p * 4 + (trainable * lowp if lowp < p else 0)  # + autocast's 16-bit weight copies
+    B, T, S, response = train.batch_size, data.sequence, train.ttt_steps, data.response
+    kl = train.loss == "kl"
+    inputs = B * T * (len(d.aux_layer_ids) + kl) * d.target_hidden_size * 6  # the stored 16 bits, then float32
+    rows = B * response  # labelled positions: the responses'
+    step = ttt_kept_bytes(B, T, S, response, d, lowp, stream, kl) + unroll_alive_bytes(B, T, S, rows, d, lowp, stream)
+    validation = unroll_alive_bytes(B, T, 2 * S, rows, d, lowp, stream)
+    online = capture_bytes(t, len(d.aux_layer_ids), B * T, rows) if cfg.features.kind != "cached" else 0
+    kernels = kernel_cache_bytes(cfg, d, data) if device.type == "cpu" else 0
+    return drafter + optimizer + slack * (inputs + online + max(step, validation)) + kernels
+
+
+def kernel_cache_bytes(cfg: RunConfig, d: Eagle3Config, data: PromptSet) -> int:
+    """What oneDNN keeps per matmul shape on a CPU with 16-bit matmul kernels (AVX512/AMX), under 16-bit
+    precisions: each new shape leaves its compiled kernels and a 16-bit copy of the weights it multiplied. A
+    training batch brings two new row counts when its length is new (step 1 runs over B·T rows, steps >= 2 over
+    the drafting positions), so the process grows by about two 16-bit copies of the drafter's weights and
+    ~22 MB of kernels per batch of a new length, and levels off once the lengths repeat: after about as many
+    batches as there are training sequences (measured: benchmarks/memory_estimate.py; not freed by setting
+    ONEDNN_PRIMITIVE_CACHE_CAPACITY)."""
+    lowp, _ = activation_bytes(cfg.train.precision)
+    if lowp != 2 or torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
+        return 0
+    world = cfg.train.devices * cfg.train.num_nodes
+    steps = cfg.train.epochs * -(-data.trained_on // (cfg.train.batch_size * world))
+    steps = min(steps, cfg.train.max_steps) if cfg.train.max_steps > 0 else steps
+    return min(steps, data.trained_on) * (2 * lowp * _trainable_parameters(d) + KERNELS_PER_NEW_BATCH)
+
+
+def evaluation_cost(cfg: RunConfig, d: Eagle3Config, sets: list[PromptSet], slack: float) -> StageCost:
+    """The simulated evaluator (and the drift suite, the same unroll with probes): float32, no gradients, a
+    batch of train.batch_size sequences unrolled to max_k steps, plus the drafts and their matches [B, T, K]."""
+    B, K = cfg.train.batch_size, max_k(cfg)
+    drafter = (_trainable_parameters(d) + d.vocab_size * d.hidden_size) * 4
+
+    def unroll(s: PromptSet) -> int:
+        T = s.sequence
+        inputs = B * T * len(d.aux_layer_ids) * d.target_hidden_size * 6
+        return unroll_alive_bytes(B, T, K, B * s.response, d, 4, 4) + B * T * K * (8 + 8 + 1) + inputs
+
+    evaluated = [s for s in sets if s.name != "train"] or sets
+    worst = max(evaluated, key=unroll)
+    return StageCost(
+        int(drafter + slack * unroll(worst)),
+        f"train.batch_size={B} × {worst.bound} ({worst.name}) × max_k={K}",
+        "train.batch_size, data.max_length or eval.max_k",
+    )
+
+
+def _trainable_parameters(d: Eagle3Config) -> int:
+    """The drafter's parameters without the frozen embeddings (`eaglelab.drafter.Eagle3Drafter`)."""
+    H, M, n = d.hidden_size, d.intermediate_size, len(d.aux_layer_ids)
+    q, kv = d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim
+    layer = 2 * H * (q + 2 * kv) + q * H + 3 * H * M + 3 * H  # (first layer: [embedding; hidden] into q/k/v)
+    return n * d.target_hidden_size * (H + 1) + d.num_layers * layer + H + H * d.draft_vocab_size
+
+
+def _vllm_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def _held_now(device: torch.device) -> int:
+    """Bytes this process holds on `device` now: resident memory on the host, torch's reservation on a GPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_reserved(device)
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return peak_rss()  # no /proc (macOS): the peak so far, an upper bound
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory so far, in bytes (ru_maxrss is in KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def measured_peaks(device: torch.device | None = None) -> dict[str, float]:
+    """memory/peak_rss_gb (and memory/peak_gpu_gb on a GPU), for metrics.json next to the estimate."""
+    out = {"memory/peak_rss_gb": round(peak_rss() / GB, 3)}
+    if device is not None and device.type == "cuda":
+        out["memory/peak_gpu_gb"] = round(torch.cuda.max_memory_reserved(device) / GB, 3)
+    return out
+
+
+# --- a full disk ---------------------------------------------------------------------------------------------
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# What a full disk reads like where no errno survives: pyarrow's message, torch's zip writer on a path.
+NO_SPACE_MESSAGES = ("No space left on device", "file write failed", "unexpected pos")
+
+
+def as_disk_full(error: BaseException, *folders: str | Path) -> DiskFull | None:
+    """`error` as one DiskFull line when a full disk (or quota) caused it anywhere in its chain of causes; the
+    folder named is the failing file's when the error says, else whichever of `folders` has the least room."""
+    chain = list(_chain(error))
+    full = [e for e in chain if isinstance(e, OSError) and e.errno in NO_SPACE_ERRNOS]
+    # Writers that drop the errno say so in words; but not when the chain shows another cause (an interrupt
+    # raised inside torch.save's write callback also ends as `unexpected pos`; an I/O error is not a full disk).
+    other = [e for e in chain if isinstance(e, (KeyboardInterrupt, SystemExit)) or (isinstance(e, OSError) and e.errno)]
+    if not full and not other:
+        full = [
+            e for e in chain if isinstance(e, (OSError, RuntimeError)) and any(m in str(e) for m in NO_SPACE_MESSAGES)
+        ]
+    if not full:
+        return None
+    filename = getattr(full[0], "filename", None)
+    candidates = [Path(filename).parent] if filename else [Path(f).expanduser() for f in folders]
+    where, free = min(((folder, free_bytes(folder)) for folder in candidates), key=lambda x: x[1])
+    return DiskFull(
+        f"no space left on device (writing under {where}: {size_text(free)} free); free space there and run the "
+        "same command again: the run resumes"
+    )
+
+
+def _chain(error: BaseException):
+    """`error` and everything in its chain of causes and contexts, each once."""
+    seen: set[int] = set()
+    todo = [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+
+
+def free_bytes(folder: Path) -> int:
+    """Free bytes on the filesystem that holds `folder` (or would: its nearest existing ancestor)."""
+    folder = Path(folder).absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
+
+
+def size_text(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} bytes"

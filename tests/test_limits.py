@@ -1,0 +1,268 @@
+"""Limits checked before any work (eaglelab.limits): settings out of range for the data they train on, precisions
+the device cannot run, runs larger than the memory or the disk they would get, and a disk that fills up anyway.
+Each refusal is one line naming the setting and the fix, exit status 2, and nothing that looks complete."""
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from eaglelab.errors import ConfigError, DiskFull
+
+from conftest import compose, error_line, run_cli
+
+SMOKE = ["experiment=smoke", "eval.suites.drift.enabled=false"]
+
+
+def assert_nothing_looks_complete(results: Path):
+    for run_json in results.rglob("run.json"):
+        assert json.loads(run_json.read_text())["status"] == "failed"
+    assert not list(results.rglob("metrics.json"))
+
+
+def cache_entries(cache: Path) -> set[Path]:
+    return {p for kind in ("regen", "features") for p in (cache / kind).glob("*")}
+
+
+# --- settings against what they depend on, at composition --------------------------------------------------------
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["train.ttt_steps=500"],
+            "train.ttt_steps=500 must be below data.max_new_tokens=160 (draft step j trains on the response token "
+            "j+1 places after the position it drafts from",
+        ),
+        (["train.ttt_steps=20", "data.max_new_tokens=400", "data.max_length=16"], "must be below data.max_length=16"),
+        (["eval.max_k=96"], "eval.max_k=96 must be below eval.max_new_tokens=96"),
+        (
+            ["train.ttt_steps=60", "data.max_new_tokens=200"],
+            "eval.max_k (unset: max(8, 2·train.ttt_steps+2) = 122) must be below eval.max_new_tokens=96",
+        ),
+        (["drafter.attention_window=1024"], "drafter.attention_window=1024 is not below data.max_length=1024"),
+        (["+suite=long_context", "eval.suites.ks=[64]"], "must stay below eval.suites.long_context.max_new_tokens=64"),
+        (["train.warmup_steps=-1"], "train.warmup_steps must be >= 0"),
+        (["train.weight_decay=-0.1"], "train.weight_decay must be >= 0"),
+        (["train.grad_clip=-1"], "train.grad_clip must be >= 0"),
+        (["train.max_steps=0"], "train.max_steps must be -1 (no limit) or > 0"),
+        (["experiment=smoke", "target.tiny.hidden_size=0"], "target.tiny.hidden_size must be > 0"),
+    ],
+)
+def test_a_setting_out_of_range_names_itself_and_the_fix(overrides, message, tmp_path):
+    with pytest.raises(ConfigError) as e:
+        compose(overrides, tmp_path, tmp_path / "run")
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_evaluated_checkpoint_is_not_held_to_training_lengths(tmp_path):
+    """Evaluating a checkpoint trains nothing: a window for inference only and a training depth beyond this
+    command's data settings are fine (the draft depth is checked again once the checkpoint's is adopted)."""
+    cfg = compose(
+        ["checkpoint=/some/run", "drafter.attention_window=2048", "train.ttt_steps=200", "eval.max_k=8"],
+        tmp_path,
+        tmp_path / "run",
+    )
+    assert cfg.drafter.attention_window == 2048
+
+
+def test_a_draft_depth_beyond_the_responses_is_refused_by_the_cli_before_anything_runs(cache_dir, tmp_path):
+    """The issue's case: a train.ttt_steps far beyond any sequence used to run until the kernel killed it."""
+    proc = run_cli([*SMOKE, "train.ttt_steps=500"], cache_dir, tmp_path)
+    line = error_line(proc.returncode, proc.stderr)
+    assert "train.ttt_steps=500 must be below data.max_new_tokens=24" in line
+    assert "lower train.ttt_steps or raise data.max_new_tokens" in line
+    assert not list(tmp_path.rglob("run.json"))
+
+
+# --- precision against the device ---------------------------------------------------------------------------------
+def test_float16_autocast_on_the_cpu_is_refused_instead_of_swapped(cache_dir, tmp_path):
+    """Lightning would quietly train bf16-mixed and the run would say 16-mixed."""
+    proc = run_cli([*SMOKE, "train.precision=16-mixed"], cache_dir, tmp_path)
+    line = error_line(proc.returncode, proc.stderr)
+    assert "train.precision=16-mixed: float16 autocast does not exist on the CPU" in line
+    assert "use train.precision=bf16-mixed or 32-true" in line
+    assert_nothing_looks_complete(tmp_path)
+
+
+def test_bfloat16_on_a_gpu_without_it_is_refused(monkeypatch, tmp_path):
+    from eaglelab.limits import check_precision
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))  # a V100
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
+    gpu = torch.device("cuda", 0)
+    with pytest.raises(ConfigError, match=r"train.precision=bf16-mixed needs bfloat16, which cuda:0 \(Tesla V100\)"):
+        check_precision(compose(["target.dtype=float16"], tmp_path, tmp_path / "r"), gpu)
+    with pytest.raises(ConfigError, match="target.dtype=bfloat16 needs bfloat16.*use target.dtype=float16"):
+        check_precision(compose(["train.precision=16-mixed"], tmp_path, tmp_path / "r"), gpu)
+    for fine in (
+        ["train.precision=16-mixed", "target.dtype=float16"],
+        ["train.precision=64-true", "target.dtype=float32"],
+    ):
+        check_precision(compose(fine, tmp_path, tmp_path / "r"), gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H100
+    check_precision(compose([], tmp_path, tmp_path / "r"), gpu)
+
+
+# --- memory -------------------------------------------------------------------------------------------------------
+def test_a_run_too_large_for_memory_is_refused_before_any_work(cache_dir, tmp_path):
+    """A batch × length × depth no machine holds: refused once the target's shape is known, before regeneration
+    (no new cache entry), naming the three settings."""
+    before = cache_entries(cache_dir)
+    big = ["train.batch_size=4096", "data.max_length=2048", "data.max_new_tokens=2048", "train.ttt_steps=8"]
+    proc = run_cli([*SMOKE, *big], cache_dir, tmp_path)
+    line = error_line(proc.returncode, proc.stderr)
+    assert line.startswith("error: this run needs ~") and " GB at its peak (train: train.batch_size=4096 × " in line
+    assert "data.max_length=2048 × train.ttt_steps=8)" in line and "but cpu has " in line
+    assert line.endswith("GB free; lower train.batch_size, data.max_length or train.ttt_steps")
+    assert cache_entries(cache_dir) == before
+    assert_nothing_looks_complete(tmp_path)
+
+
+def test_the_training_estimate_counts_what_autograd_keeps(tmp_path):
+    """`ttt_kept_bytes` against the bytes autograd really saves for backward over one TTT batch (every saved
+    tensor's storage, counted once), on the smoke drafter's shape: the terms are the code's, not a fit."""
+    from transformers import LlamaConfig
+
+    from eaglelab.batches import Batch
+    from eaglelab.config import TrainConfig
+    from eaglelab.drafter import DrafterFlags, Eagle3Config
+    from eaglelab.limits import _trainable_parameters, ttt_kept_bytes
+    from eaglelab.training import DrafterModule
+
+    shape = LlamaConfig(
+        vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64,
+    )  # fmt: skip
+    d = Eagle3Config.for_target(DrafterFlags(), shape, aux_layer_ids=[2, 4, 5], draft_vocab_size=1024, max_context=512)
+    B, T, steps, prompt = 3, 96, 4, 1  # prompt of 1 token: every position drafts (the estimate's bound)
+    module = DrafterModule(d, TrainConfig(ttt_steps=steps), target_head=torch.randn(1024, 128))
+    module.drafter.set_vocab(torch.arange(1024))
+    batch = Batch(
+        input_ids=torch.randint(0, 1024, (B, T)),
+        prompt_len=torch.full((B,), prompt),
+        seq_len=torch.full((B,), T),
+        index=torch.arange(B),
+        target_next=torch.randint(0, 1024, (B, T)),
+        aux=torch.randn(B, T, 3 * 128),
+    )
+    saved: dict[int, int] = {}
+
+    def keep(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        module.ttt(batch, steps)
+    trainable = [p for p in module.drafter.parameters() if p.requires_grad]
+    assert _trainable_parameters(d) == sum(p.numel() for p in trainable)
+    weight_copies = 2 * _trainable_parameters(d)  # autocast's bf16 copies of the weights, saved too
+    expected = ttt_kept_bytes(B, T, steps, T - prompt, d, lowp=2, stream=4, kl=False) + weight_copies
+    assert abs(sum(saved.values()) - expected) < 0.02 * expected, (sum(saved.values()), expected)
+
+
+# --- disk: refused up front, and full while writing ---------------------------------------------------------------
+@pytest.fixture
+def tmpfs(tmp_path):
+    """mount(name, bytes) -> a folder on a tmpfs of that size (unmounted afterwards); mounting needs root."""
+    if os.geteuid() != 0:
+        pytest.skip("a size-limited filesystem (tmpfs) needs root to mount")
+    mounted = []
+
+    def mount(name: str, size: int) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", str(path)], check=False)
+
+
+def test_a_cache_too_small_for_the_data_is_refused_before_regeneration(cache_dir, tmp_path, tmpfs):
+    """paths.cache_dir on a filesystem that holds the target but not the captured states of the training data:
+    refused before the target regenerates anything, no cache entry half-made."""
+    from eaglelab.targets import load_target
+
+    tiny = load_target(compose(SMOKE, cache_dir, tmp_path / "r").target, cache_dir).path
+    pages = sum(-(-f.stat().st_size // 4096) * 4096 for f in tiny.iterdir())
+    small = tmpfs("cache", pages + (1 << 20))  # the target and 1 MiB: the states need ~3.5 MB
+    shutil.copytree(tiny, small / "targets" / tiny.name)
+    proc = run_cli(SMOKE, small, tmp_path / "results")
+    line = error_line(proc.returncode, proc.stderr)
+    assert line.startswith("error: caching the train data needs up to ")
+    assert f"but {small} has " in line and "free; free space under paths.cache_dir" in line
+    assert "lower data.num_prompts or data.max_length, or use features=online (token ids only: " in line
+    assert cache_entries(small) == set()
+    assert_nothing_looks_complete(tmp_path / "results")
+
+
+def test_a_results_disk_that_fills_up_fails_clearly_keeps_the_last_checkpoint_and_resumes(cache_dir, tmp_path, tmpfs):
+    """The run directory on a filesystem that holds one checkpoint but not the temporary of the next: one
+    DiskFull line naming the folder, run.json failed, no metrics.json, no temporary left, last.ckpt whole; with
+    room again, the same command resumes from that checkpoint and completes."""
+    from eaglelab.drafter import Eagle3Drafter
+    from eaglelab.pipeline import build_model_config
+    from eaglelab.targets import load_target
+
+    cfg = compose(SMOKE, cache_dir, tmp_path / "r")
+    drafter = Eagle3Drafter(build_model_config(cfg, load_target(cfg.target, cache_dir)))
+    trainable = sum(p.numel() for name, p in drafter.named_parameters() if not name.startswith("embed"))
+    checkpoint = 12 * trainable  # float32 weights and AdamW's two moments
+    results = tmpfs("results", checkpoint * 3 // 2 + (512 << 10))
+    run_dir = results / "run"
+    args = [*SMOKE, "train.epochs=1", "train.checkpoint_every_n_steps=2", f"hydra.run.dir={run_dir}"]
+
+    proc = run_cli(args, cache_dir, tmp_path / "results")
+    line = error_line(proc.returncode, proc.stderr)
+    assert line.startswith(f"error: no space left on device (writing under {run_dir}: "), line
+    assert line.endswith("free); free space there and run the same command again: the run resumes")
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "failed"
+    assert not list(run_dir.rglob("metrics.json"))
+    assert not [p for p in run_dir.rglob("*") if ".tmp-" in p.name]
+    assert torch.load(run_dir / "lightning" / "last.ckpt", weights_only=False)["global_step"] == 2
+
+    subprocess.run(["mount", "-o", "remount,size=64M", str(results)], check=True)
+    done = run_cli(args, cache_dir, tmp_path / "results")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "resuming training from" in (run_dir / "run.log").read_text()
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["status"] == "complete" and info["attempt"] == 2
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["memory/estimate_gb"] > 0 and metrics["memory/peak_rss_gb"] > 0
+
+
+def test_a_full_disk_is_recognised_through_the_chain_of_causes(tmp_path):
+    """torch's writer reports a full disk as `unexpected pos` (the OSError only in its context), pyarrow in its
+    message, quotas as EDQUOT; an I/O error, or an interrupt that torch's writer turned into `unexpected pos`, is
+    not a full disk."""
+    from eaglelab.limits import as_disk_full
+
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") from None
+    except RuntimeError as e:
+        torch_save = e
+    full = as_disk_full(torch_save, tmp_path / "run", tmp_path / "cache")
+    assert isinstance(full, DiskFull) and str(full).startswith(f"no space left on device (writing under {tmp_path}")
+    quota = OSError(errno.EDQUOT, "Disk quota exceeded", str(tmp_path / "cache" / "shard-00000.arrow"))
+    assert f"writing under {tmp_path / 'cache'}:" in str(as_disk_full(quota, tmp_path))
+    assert as_disk_full(OSError(errno.EIO, "Input/output error"), tmp_path) is None
+    try:
+        try:
+            raise KeyboardInterrupt("signal 15")  # raised inside torch.save's write callback: the same message
+        except KeyboardInterrupt:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0") from None
+    except RuntimeError as e:
+        assert as_disk_full(e, tmp_path) is None
+    assert as_disk_full(RuntimeError("CUDA out of memory"), tmp_path) is None
