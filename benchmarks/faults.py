@@ -181,7 +181,8 @@ def inject(profile: str, sig: str, instant: float, run_dir: Path, cache: Path, t
     run = trial_dir(profile, run_dir)
     if sent and profile.startswith("slurm"):  # delivered only if the job was still running: submitit logs it
         logs = "".join(f.read_text(errors="replace") for f in run_dir.glob(".submitit/*/*.err"))
-        sent = sent if "Caught signal SIGUSR2" in logs else None
+        # ("User defined signal 2": it killed the task before submitit had installed its handler)
+        sent = sent if "Caught signal SIGUSR2" in logs or "User defined signal 2" in logs else None
     info = json.loads((run / "run.json").read_text()) if (run / "run.json").exists() else {}
     got = info.get("signal") or next((e["signal"] for e in info.get("earlier", []) if e.get("signal")), {})
     stage = got.get("stage") or (stage_at(run, sent) if sent else "ended first")
@@ -260,9 +261,15 @@ def main():
             if not profile.startswith("slurm"):
                 run_once(profile, run_dir, cache)  # the same command again: resumes
             run = trial_dir(profile, run_dir)
-            row["attempts"] = json.loads((run / "run.json").read_text())["attempt"]
             if not row["sent"]:
                 row["stage"] = "ended before the instant"
+            if not (run / "metrics.json").exists():  # the trial was lost: counted, and the benchmark goes on
+                row.update(attempts=None, weights_identical=False, metrics_identical=False, differing=["lost"])
+                rows.append(row)
+                print(f"{n:3d} {profile:<6}{sig:<8}{row['instant_s']:>8.2f} s  {row['stage']:<32}LOST "
+                      f"(exit {row['exit']}: {row['stderr_tail']})", flush=True)  # fmt: skip
+                continue
+            row["attempts"] = json.loads((run / "run.json").read_text())["attempt"]
             weights, metrics, differ = compare(run, references[profile])
             row.update(weights_identical=weights, metrics_identical=metrics, differing=differ[:5])
             rows.append(row)
