@@ -51,7 +51,7 @@ import torch
 from eaglelab.config import RunConfig, check_depths_and_lengths, max_k
 from eaglelab.drafter import Attention, Eagle3Config
 from eaglelab.errors import ConfigError, DiskFull, ResourceError
-from eaglelab.targets import Target, free_memory
+from eaglelab.targets import Target, free_memory, proc_bytes
 
 log = logging.getLogger("eaglelab")
 GB = 1e9
@@ -473,13 +473,8 @@ def _held_now(device: torch.device) -> int:
     """Bytes this process holds on `device` now: resident memory on the host, torch's reservation on a GPU."""
     if device.type == "cuda":
         return torch.cuda.memory_reserved(device)
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return peak_rss()  # no /proc (macOS): the peak so far, an upper bound
+    rss = proc_bytes("/proc/self/status", "VmRSS")
+    return rss if rss is not None else peak_rss()  # no /proc (macOS): the peak so far, an upper bound
 
 
 def peak_rss() -> int:

@@ -295,14 +295,19 @@ def free_memory(device: torch.device) -> int | None:
     return max(0, min(known)) if known else None
 
 
-def _meminfo_available() -> int | None:
+def proc_bytes(path: str, field: str) -> int | None:
+    """A `Field:  N kB` line of a /proc file (meminfo, self/status) in bytes; None without /proc."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def _meminfo_available() -> int | None:
+    return proc_bytes("/proc/meminfo", "MemAvailable")
 
 
 def _cgroup_free(proc: str | Path = "/proc/self/cgroup", mount: str | Path = "/sys/fs/cgroup") -> int | None:
