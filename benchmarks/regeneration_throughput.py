@@ -42,14 +42,14 @@ def main():
     hf_tps, vllm_tps, vllm_total_tps, agree = [], [], [], []
     for rep in range(args.repeats):
         t0 = time.perf_counter()
-        hf = {i: r for i, r, _ in generate(target, prompts, args.tokens, limit, args.batch)}
+        hf = {g.index: g.response for g in generate(target, prompts, args.tokens, limit, args.batch)}
         hf_s = time.perf_counter() - t0
         hf_tokens = sum(len(r) for r in hf.values())
         hf_tps.append(hf_tokens / hf_s)
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
             by_shard, result_s = generate_vllm(target, {0: prompts}, args.tokens, limit, Path(tmp))
-            out = by_shard[0]
+            out = [response for response, _ in by_shard[0]]
             total_s = time.perf_counter() - t0
         v_tokens = sum(len(r) for r in out)
         vllm_tps.append(v_tokens / result_s)

@@ -98,6 +98,13 @@ def _fmt(value, decimals: int = 3) -> str:
     return tex_escape(value)
 
 
+def step_weights(runs: list[Run]) -> str:
+    """The loss weight of each draft step j = 1..ttt_steps, train.step_decay**(j-1) (eaglelab.training), from the
+    runs' stored configs: one list per distinct (step_decay, ttt_steps), lists separated by semicolons."""
+    combos = sorted({(float(r.config["train.step_decay"]), int(r.config["train.ttt_steps"])) for r in runs})
+    return "; ".join(", ".join(f"{decay ** (j - 1):.3g}" for j in range(1, ttt + 1)) for decay, ttt in combos)
+
+
 def numbers(runs: list[Run], rows: list[dict], skipped: int, duplicates: int) -> str:
     """numbers.tex: \\val{setup or variant}{name} for every number the text quotes, \\val{store}{name} for the
     setup. An unknown key prints a bold ?? (and the build still succeeds), never a stale number."""
@@ -116,6 +123,8 @@ def numbers(runs: list[Run], rows: list[dict], skipped: int, duplicates: int) ->
         "ttt": ", ".join(one("train.ttt_steps")),
         "epochs": ", ".join(one("train.epochs")),
         "lr": ", ".join(one("train.lr")),
+        "stepdecay": ", ".join(one("train.step_decay")),
+        "stepweights": step_weights(runs),
         "batch": ", ".join(one("train.batch_size")),
         "loss": ", ".join(one("train.loss")),
         "prompts": ", ".join(one("data.num_prompts")),

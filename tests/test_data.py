@@ -23,13 +23,25 @@ def tiny(cache_dir):
 
 
 def test_generation_matches_hf_generate(tiny):
+    """Responses are HF's greedy `generate` (each prompt with its own budget: the shortest prompt here gets 12
+    tokens although the longest has room for fewer), and each tail continues greedily past the end, as an
+    uncached full forward per token computes it."""
     prompts = [template_prompt(tiny.tokenizer, m, None) for m in humaneval_prompts()[:3]]
-    ours = {i: r for i, r, _ in generate(tiny, prompts, 12, 2048, batch_size=3)}
+    max_length = max(map(len, prompts)) + 9  # the longest prompt's budget is 9, the others' 12
+    ours = {g.index: g for g in generate(tiny, prompts, 12, max_length, batch_size=3, tail_tokens=5)}
     for i, p in enumerate(prompts):  # one at a time: no padding on the reference side
+        budget = min(12, max_length - len(p))
         ref = tiny.model.generate(
-            torch.tensor([p]), max_new_tokens=12, do_sample=False, pad_token_id=tiny.tokenizer.pad_token_id
+            torch.tensor([p]), max_new_tokens=budget, do_sample=False, pad_token_id=tiny.tokenizer.pad_token_id
         )[0, len(p) :].tolist()
-        assert ours[i] == ref
+        assert ours[i].response == ref
+        seq = p + ref
+        tail = []
+        with torch.no_grad():
+            while len(tail) < min(5, max_length - len(seq)):
+                tail.append(int(tiny.model(torch.tensor([seq + tail])).logits[0, -1].argmax()))
+        assert ours[i].tail == tail
+    assert [len(ours[i].response) for i in range(3)] != [9, 9, 9], "every prompt got the batch's smallest budget"
 
 
 def test_fused_capture_equals_a_separate_forward(tiny, tmp_path):

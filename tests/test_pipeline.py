@@ -1,25 +1,46 @@
 """The whole loop on the tiny target, through the same `run` the CLI calls."""
 
 import json
+import shutil
+from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import yaml
+from run_tables import check_acceptance_tables, read_csv
 
 from eaglelab.pipeline import run
 
 from conftest import compose
 
 
+class SmokeRuns(NamedTuple):
+    a: Path
+    b: Path  # the same config and seed again, on the cache `a` filled
+    cache_after_a: dict[str, int]  # every file of the cache's regen/ and features/ entries -> mtime (ns)
+    cache_after_b: dict[str, int]
+
+
+def cache_files(cache_dir: Path) -> dict[str, int]:
+    return {
+        str(p.relative_to(cache_dir)): p.stat().st_mtime_ns
+        for kind in ("regen", "features")
+        for p in (cache_dir / kind).rglob("*")
+        if p.is_file()
+    }
+
+
 @pytest.fixture(scope="module")
-def smoke_runs(cache_dir, tmp_path_factory):
+def smoke_runs(cache_dir, tmp_path_factory) -> SmokeRuns:
     root = tmp_path_factory.mktemp("smoke")
     first = run(compose(["experiment=smoke"], cache_dir, root / "a"))
+    after_first = cache_files(cache_dir)
     second = run(compose(["experiment=smoke"], cache_dir, root / "b"))
-    return first, second
+    return SmokeRuns(first, second, after_first, cache_files(cache_dir))
 
 
 def test_smoke_run_writes_the_documented_layout(smoke_runs):
-    run_dir, _ = smoke_runs
+    run_dir = smoke_runs.a
     for name in (
         "config.yaml",
         "run.json",
@@ -41,9 +62,9 @@ def test_smoke_run_writes_the_documented_layout(smoke_runs):
     metrics = json.loads((run_dir / "metrics.json").read_text())
     info = json.loads((run_dir / "run.json").read_text())
     assert info["status"] == "complete" and info["variant"] == "eagle3.1"
-    # τ for k = 1..2·ttt+2 = 8, validation τ at k = ttt_steps and 2·ttt_steps, per-depth accuracy.
-    for k in range(1, 9):
-        assert 1.0 <= metrics[f"acceptance_length@k{k}"] <= k + 1
+    # τ for k = 1..2·ttt+2 = 8, recomputed from the tables; validation τ at k = ttt_steps and 2·ttt_steps,
+    # per-depth accuracy.
+    assert sorted(check_acceptance_tables(run_dir, metrics)) == list(range(1, 9))
     assert {"val/acceptance_length@k3", "val/acceptance_length@k6", "val/acc@d1", "val/acc@d6"} <= set(metrics)
     resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert resolved["resolved"]["aux_layer_ids"] == [2, 4, 5]  # (2, L//2, L-3) for the tiny L=8
@@ -52,11 +73,55 @@ def test_smoke_run_writes_the_documented_layout(smoke_runs):
 
 
 def test_same_seed_gives_identical_metrics(smoke_runs):
-    a, b = (json.loads((d / "metrics.json").read_text()) for d in smoke_runs)
+    a, b = (json.loads((d / "metrics.json").read_text()) for d in (smoke_runs.a, smoke_runs.b))
     strip = lambda m: {k: v for k, v in m.items() if not k.startswith(("time/", "memory/"))}
     assert strip(a) == strip(b)
-    # The second run reused the cache prepared by the first.
-    assert b["time/regenerate_s"] < a["time/regenerate_s"] or a["time/regenerate_s"] < 1.0
+
+
+def test_a_second_run_reads_the_cache_the_first_filled(smoke_runs):
+    """Same target and data: the second run adds no regeneration or capture entry and rewrites no file of the
+    entries the first one left (tokens, states, their complete.json)."""
+    after_a, after_b = smoke_runs.cache_after_a, smoke_runs.cache_after_b
+    assert any(f.startswith("regen/") for f in after_a) and any(f.startswith("features/") for f in after_a)
+    assert after_b == after_a
+
+
+def test_training_raises_tau_over_the_untrained_drafter(smoke_runs, cache_dir):
+    """The smoke run's drafter against the same drafter before training (its initialisation from the target, the
+    same draft vocabulary) on the same held-out sequences, with the simulated evaluator."""
+    import lightning as L
+
+    from eaglelab.config import max_k
+    from eaglelab.evaluate import evaluate_simulated
+    from eaglelab.export import TargetShape, load_checkpoint
+    from eaglelab.pipeline import StageTimer, build_model_config, prepare_data, regen_backend, select_prompts
+    from eaglelab.targets import load_target
+    from eaglelab.trainer import init_from_target
+    from eaglelab.training import DrafterModule
+
+    cfg = compose(["experiment=smoke"], cache_dir, smoke_runs.a)
+    target = load_target(cfg.target, cfg.paths.cache_dir)
+    model_cfg = build_model_config(cfg, target)
+    held_out = prepare_data(
+        cfg, target, model_cfg, select_prompts(cfg), StageTimer(), regen_backend(cfg), train=False
+    ).held_out
+    weights = target.weights()
+    shape = TargetShape(target.hidden_size, target.vocab_size, target.num_layers)
+    trained = load_checkpoint(smoke_runs.a / "drafter", weights.embed.float(), shape)
+    L.seed_everything(cfg.train.seed, verbose=False)
+    untrained = DrafterModule(model_cfg, cfg.train)
+    init_from_target(untrained, weights, trained.draft_ids, cfg.drafter.init_lm_head_from_target)
+    K, ttt = max_k(cfg), cfg.train.ttt_steps
+    tau = {
+        name: {k: c.acceptance_length for k, c in evaluate_simulated(d, held_out, K).items()}
+        for name, d in (("trained", trained), ("untrained", untrained.drafter))
+    }
+    metrics = json.loads((smoke_runs.a / "metrics.json").read_text())
+    # the same held-out set and evaluator as the run's own numbers
+    assert tau["trained"] == {k: pytest.approx(metrics[f"acceptance_length@k{k}"]) for k in range(1, K + 1)}
+    # clearly higher: at the trained depth, at least twice the accepted drafts per round
+    assert tau["trained"][ttt] - 1 >= 2 * (tau["untrained"][ttt] - 1) + 0.05, tau
+    assert all(tau["trained"][k] > tau["untrained"][k] for k in range(1, K + 1)), tau
 
 
 def test_ablation_changes_the_exported_flags_and_kl_loss_trains(cache_dir, tmp_path):
@@ -114,11 +179,34 @@ def test_hf_target_of_another_family(cache_dir, tmp_path):
     assert json.loads((run_dir / "run.json").read_text())["target"].startswith("hf:")
 
 
-def test_run_writes_an_acceptance_figure(smoke_runs):
+def test_run_writes_an_acceptance_figure_of_its_tables(smoke_runs, tmp_path, monkeypatch):
+    """acceptance.png plots acceptance.csv's τ per k and per_position.csv's rates (for the first, a middle and the
+    last k): the figure redrawn from the run's tables, kept open to read its lines, is the run's figure."""
+    import matplotlib.pyplot as plt
+    import numpy as np
     from PIL import Image
 
-    image = Image.open(smoke_runs[0] / "acceptance.png")
-    assert image.size[0] > 600 and image.size[1] > 200
+    from eaglelab import plots
+
+    for name in ("acceptance.csv", "per_position.csv"):
+        shutil.copy(smoke_runs.a / name, tmp_path / name)
+    kept = []
+    monkeypatch.setattr(plots.plt, "close", kept.append)
+    plots.plot_acceptance(tmp_path, "eagle3.1 (seed 0)")  # the run's title: variant, seed
+    (fig,) = kept
+    tau_ax, pos_ax = fig.axes
+    by_k = [r for r in read_csv(tmp_path / "acceptance.csv") if r["evaluator"] == "simulated"]
+    ((ks, taus),) = [line.get_data() for line in tau_ax.get_lines()]
+    assert list(ks) == [int(r["k"]) for r in by_k] == list(range(1, 9))
+    assert list(taus) == pytest.approx([float(r["acceptance_length"]) for r in by_k])
+    rates = read_csv(tmp_path / "per_position.csv")
+    for k, line in zip((1, 4, 8), pos_ax.get_lines(), strict=True):  # the first, a middle and the last k
+        expected = [(int(r["position"]), float(r["acceptance_rate"])) for r in rates if int(r["k"]) == k]
+        assert line.get_label() == f"k={k}"
+        assert list(zip(*line.get_data())) == pytest.approx(expected)
+    plt.close(fig)
+    drawn, written = (np.asarray(Image.open(d / "acceptance.png")) for d in (tmp_path, smoke_runs.a))
+    assert drawn.shape == written.shape and (drawn == written).all()
 
 
 def test_online_and_hybrid_features_train_like_cached(tmp_path):

@@ -79,7 +79,13 @@ def test_every_run_is_logged_to_wandb_offline_with_curves_tables_and_figures(sto
         assert len([r for r in logged["history"] if "by_depth/depth" in r]) == 8
         # the summary is metrics.json
         assert float(logged["summary"]["acceptance_length@k3"]) == pytest.approx(metrics["acceptance_length@k3"])
-        assert float(logged["summary"]["templates/simulated/ratio_to_native@native@k3"]) == pytest.approx(1.0)
+        # each condition's ratio to native: its τ over native's τ, from the run's templates table
+        templates = [r for r in csv.DictReader(open(run_dir / "suites/templates.csv")) if r["evaluator"] == "simulated"]
+        native = next(float(r["acceptance_length"]) for r in templates if r["condition"] == "native")
+        for r in templates:
+            if r["condition"] != "native":
+                key = f"templates/simulated/ratio_to_native@{r['condition']}@k{r['k']}"
+                assert float(logged["summary"][key]) == pytest.approx(float(r["acceptance_length"]) / native), key
         media = next((run_dir / "wandb").glob("offline-run-*")) / "files" / "media"
         tables = {p.name.split("_")[0] for p in (media / "table" / "tables").rglob("*.table.json")}
         assert {"acceptance", "per"} <= tables and (media / "table/tables/suites").is_dir()
@@ -87,11 +93,12 @@ def test_every_run_is_logged_to_wandb_offline_with_curves_tables_and_figures(sto
         assert {"figures/acceptance", "suites/drift", "suites/templates"} <= images
 
 
-def test_comparison_table_aggregates_the_seeds_of_each_variant(store, tmp_path):
-    proc = script("analysis/compare.py", store, "--out", tmp_path)
+def _check_comparison(store: Path, out: Path) -> None:
+    proc = script("analysis/compare.py", store, "--out", out)
     assert proc.returncode == 0, proc.stderr
-    rows = {r["setup"]: r for r in csv.DictReader(open(tmp_path / "comparison.csv"))}
+    rows = {r["setup"]: r for r in csv.DictReader(open(out / "comparison.csv"))}
     assert set(rows) == {"eagle3.1", "eagle3"}
+    means = {}
     for setup, row in rows.items():
         taus = [
             json.loads((d / "metrics.json").read_text())["acceptance_length@k3"]
@@ -99,12 +106,28 @@ def test_comparison_table_aggregates_the_seeds_of_each_variant(store, tmp_path):
             if d.name.split("_")[1] == setup
         ]
         assert int(row["seeds"]) == int(row["tau_n"]) == 2
-        assert float(row["tau"]) == pytest.approx(sum(taus) / 2)
+        means[setup] = sum(taus) / 2
+        assert float(row["tau"]) == pytest.approx(means[setup])
         spread = abs(taus[0] - taus[1])  # n=2: the 95% CI half-width is t(0.975, 1) · |a-b|/2 = 12.706 · |a-b|/2
         assert float(row["tau_ci95"]) == pytest.approx(12.7062 * spread / 2, rel=1e-3, abs=1e-9)
-    assert float(rows["eagle3"]["tau_vs_reference"]) == pytest.approx(1.0)
-    md = (tmp_path / "comparison.md").read_text()
+    # EAGLE-3.1 against the reference (eagle3): the ratio of the seed means
+    assert float(rows["eagle3.1"]["tau_vs_reference"]) == pytest.approx(means["eagle3.1"] / means["eagle3"])
+    md = (out / "comparison.md").read_text()
     assert "| eagle3.1 | 2 |" in md and "95% CI" in md
+
+
+def test_comparison_table_aggregates_the_seeds_of_each_variant(store, tmp_path):
+    _check_comparison(store, tmp_path / "store")
+    # The tiny target's runs may all reach the same τ (then every ratio is 1 and every CI 0): the same table of a
+    # copy whose EAGLE-3 runs' τ is moved, by a different amount per seed.
+    copy = tmp_path / "moved"
+    shutil.copytree(store / "grid_sweep", copy / "grid_sweep", ignore=shutil.ignore_patterns("wandb"))
+    for d in run_dirs(copy):
+        if d.name.split("_")[1] == "eagle3":
+            metrics = json.loads((d / "metrics.json").read_text())
+            metrics["acceptance_length@k3"] += 0.25 * (1 + int(d.name[-1]))
+            (d / "metrics.json").write_text(json.dumps(metrics))
+    _check_comparison(copy, tmp_path / "moved_out")
 
 
 def test_dashboard_dry_run_writes_a_report_of_the_metrics_the_runs_logged(store, tmp_path):
@@ -215,6 +238,7 @@ def test_paper_is_regenerated_by_one_command_and_broken_runs_are_named_and_skipp
         r"2\\,",
         r"\{=\}2",
         r"\\tau = 1 \+",
+        r"\\gamma\^\{j-1\}",
     ):
         body = re.sub(pattern, "", body)
     assert not re.search(r"\d", body), re.findall(r".{30}\d.{10}", body, re.DOTALL)
@@ -225,6 +249,40 @@ def test_paper_is_regenerated_by_one_command_and_broken_runs_are_named_and_skipp
     # rebuilt without LaTeX: the old PDF (the previous build's numbers) does not stay next to the new tables
     assert script("paper/build.py", copy, "--out", out, "--no-pdf").returncode == 0
     assert not (out / "paper.pdf").exists() and (out / "generated" / "numbers.tex").exists()
+
+
+def test_paper_quotes_the_step_weights_of_the_stored_config(store):
+    """The paper's step-j loss weight γ^(j-1) and γ itself come from the runs' config.yaml (train.step_decay):
+    another stored step_decay gives other numbers."""
+    import dataclasses
+    import importlib.util
+
+    from analysis.compare import comparison
+    from analysis.store import load
+
+    spec = importlib.util.spec_from_file_location("paper_build", ROOT / "paper" / "build.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+
+    def quoted(runs) -> dict[str, str]:
+        text = build.numbers(runs, comparison(runs, "eagle3"), 0, 0)
+        return {
+            name: re.search(rf"\\csname eaglelab@store@{name}\\endcsname\{{([^}}]*)\}}", text).group(1)
+            for name in ("stepdecay", "stepweights", "ttt")
+        }
+
+    runs = load([store / "grid_sweep"])
+    stored = {(r.config["train.step_decay"], r.config["train.ttt_steps"]) for r in runs}
+    assert len(stored) == 1
+    ((decay, ttt),) = stored
+    assert quoted(runs) == {
+        "stepdecay": str(decay),
+        "stepweights": ", ".join(f"{decay ** (j - 1):.3g}" for j in range(1, ttt + 1)),
+        "ttt": str(ttt),
+    }
+    halved = [dataclasses.replace(r, config={**r.config, "train.step_decay": 0.5}) for r in runs]
+    assert quoted(halved)["stepdecay"] == "0.5"
+    assert quoted(halved)["stepweights"] == ", ".join(f"{0.5 ** (j - 1):g}" for j in range(1, ttt + 1))  # 1, 0.5, ...
 
 
 def test_empty_store_is_one_clear_error_and_writes_nothing(tmp_path):

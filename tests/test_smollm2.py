@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from run_tables import check_acceptance_tables
 
 from eaglelab.data.capture import aux_hooks
 from eaglelab.pipeline import run
@@ -21,9 +22,10 @@ def smollm2_run(cache_dir, tmp_path_factory):
         "data.regen_batch_size=6",
         "eval.num_prompts=4",
         "eval.max_new_tokens=16",
-        "train.epochs=1",
         "drafter.draft_vocab_size=512",
         "data.val_fraction=0.3",
+        "train.epochs=12",  # enough steps that drafts are accepted, so parity has counts to compare
+        "eval.vllm.throughput_ks=[]",  # decode speed is measured on the tiny target (tests/test_vllm.py)
     ]
     return run(compose(overrides, cache_dir, tmp_path_factory.mktemp("smollm2") / "run"))
 
@@ -31,7 +33,7 @@ def smollm2_run(cache_dir, tmp_path_factory):
 def test_whole_loop_on_the_embedded_target(smollm2_run):
     metrics = json.loads((smollm2_run / "metrics.json").read_text())
     assert metrics["data/train_sequences"] >= 1 and metrics["data/eval_sequences"] == 4
-    assert 1.0 <= metrics["acceptance_length@k3"] <= 4.0
+    assert sorted(check_acceptance_tables(smollm2_run, metrics)) == list(range(1, 9))  # τ recomputed, per position
     exported = json.loads((smollm2_run / "drafter/config.json").read_text())
     assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]  # L = 30
     assert exported["target_hidden_size"] == 576 and exported["vocab_size"] == 49152
@@ -53,3 +55,21 @@ def test_capture_uses_vllm_layer_ids(smollm2_run, cache_dir):
     for k in (2, 15, 27):
         assert torch.equal(grabbed[k], out.hidden_states[k])
     assert torch.equal(grabbed["final"], out.hidden_states[-1])
+
+
+def test_simulated_acceptance_matches_vllm_on_the_embedded_target(smollm2_run):
+    """SmolLM2 in bf16, the same prompts, checkpoint and budgets, k = 1..2·ttt+2 (past the trained depth and past
+    each sequence's end): τ agrees within 2 %. Not exactly: vLLM verifies k+1 tokens per forward, and bf16 rounds
+    differently from the one-token decode that regenerated the responses, so near-ties flip (measured with the
+    default drafter on 32 HumanEval prompts: |Δτ| 0.3-1.4 %, 53-75 % identical outputs; on this fixture's 4 short
+    prompts the counts were identical at every k: docs/conventions.md#measuring-acceptance)."""
+    import csv
+
+    with open(smollm2_run / "parity.csv") as f:
+        parity = {int(r["k"]): r for r in csv.DictReader(f)}
+    assert sorted(parity) == list(range(1, 9))
+    for k, row in parity.items():
+        print(k, {c: row[c] for c in row if c.endswith(("simulated", "vllm", "share"))})
+        assert abs(float(row["relative_difference"])) <= 0.02, row
+        assert int(row["drafts_vllm"]) > 0 and float(row["same_output_share"]) >= 0.5, row
+    assert sum(int(r["accepted_vllm"]) for r in parity.values()) > 0, "no draft accepted: nothing was compared"

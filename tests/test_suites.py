@@ -91,10 +91,10 @@ def features_for(model, n=3, T=24, seed=0):
     with StateWriter(root / "states" / shard_name(0), with_final=False) as writer:
         for i in range(n):
             scale = torch.tensor([1.0, 10.0, 100.0]).repeat_interleave(H)
-            tokens.append((torch.randint(0, 50, (T,), generator=g).tolist(), 6 + i, False))
+            tokens.append((torch.randint(0, 50, (T,), generator=g).tolist(), 6 + i, False, T - 6 - i, []))
             writer.write(i, torch.randn(T, 3 * H, generator=g) * scale, torch.zeros(T, dtype=torch.long))
     write_token_shard(root / "tokens" / shard_name(0), tokens)
-    mark_complete(root / "tokens", {"shards": 1})
+    mark_complete(root / "tokens", {"shards": 1, "stop_token_ids": [], "tail_tokens": 0})
     mark_complete(root / "states", state_shards_meta([(shard_name(0), list(range(n)))], with_final=False))
     return Sequences(TokenStore(root / "tokens"), StateStore(root / "states"))
 
@@ -169,9 +169,13 @@ def test_suites_on_a_training_run(cache_dir, tmp_path, capsys):
     assert all(abs(float(r["prompt_tokens"]) - int(r["condition"])) <= 8 for r in lc)
     templates = {r["condition"]: r for r in read_csv(suites / "templates.csv")}
     assert set(templates) == {"native", "no_template", "bos_on", "system_long"}
-    assert float(templates["native"]["ratio_to_native"]) == 1.0
     assert templates["bos_on"]["same_as"] == "native"  # identical prompts are measured once
     metrics = json.loads((run_dir / "metrics.json").read_text())
+    native_tau = float(templates["native"]["acceptance_length"])
+    for condition in ("no_template", "system_long"):  # their own prompts, measured on their own
+        ratio = float(templates[condition]["acceptance_length"]) / native_tau
+        assert float(templates[condition]["ratio_to_native"]) == pytest.approx(ratio), condition
+        assert metrics[f"templates/simulated/ratio_to_native@{condition}@k3"] == pytest.approx(ratio), condition
     assert {
         "drift/hidden_rms@d8",
         "drift/sink_share@d1",

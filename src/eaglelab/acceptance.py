@@ -1,4 +1,4 @@
-"""Simulated acceptance of greedy chain drafting, exact for greedy decoding
+"""Simulated acceptance of greedy chain drafting, counted as vLLM counts it
 (docs/conventions.md#measuring-acceptance).
 
 On the target's own greedy continuation x, drafting from verified position s proposes x̂_{s+2..s+k+1};
@@ -6,6 +6,11 @@ a(s) = number of leading drafts equal to x. The teacher-forced TTT forward gives
 every s in one pass (a chain stops at its first miss, so later teacher forcing never matters).
 Decoding then emits a(s)+1 tokens and continues from s + a(s) + 1, exactly as vLLM verifies, so the
 counters below mean what vLLM's `spec_decode_*` counters mean.
+
+At the end of a sequence vLLM still drafts k tokens and counts the accepted ones before it truncates the
+output at the stop id or the budget. So x continues past the sequence's last token with its *tail*: the
+target's greedy tokens after it (the stop id fed like any token), stored with the sequence when it was
+regenerated. A draft past the known tokens counts as a miss.
 """
 
 from __future__ import annotations
@@ -41,6 +46,21 @@ class AcceptanceCounts:
         return [a / max(self.drafts, 1) for a in self.accepted_per_pos]
 
 
+def tail_tokens(deepest_k: int) -> int:
+    """Tail length a prepared set needs for drafts up to `deepest_k`: the last round drafts from x_{n-3} at the
+    latest (x_{n-1} is always the target's own), so its k drafts reach k - 1 tokens past the end. Rounded up to
+    a power of two (at least 8) so that sweeps over the draft depth mostly share one cache entry."""
+    need = max(deepest_k - 1, 1)
+    return max(8, 1 << (need - 1).bit_length())
+
+
+def tail_room(seq_len: int, tail_tokens: int, max_length: int) -> int:
+    """Tail tokens a sequence of `seq_len` tokens gets: none past `max_length`, where the regenerating engine
+    stops (an engine serving at a longer context verifies drafts there, which the simulator then counts as
+    misses: docs/conventions.md#measuring-acceptance)."""
+    return max(0, min(tail_tokens, max_length - seq_len))
+
+
 def leading_matches(matches: torch.Tensor) -> torch.Tensor:
     """matches: [T, K] bool (draft j at position s equals the continuation) -> a(s) for k=K: [T]."""
     return matches.long().cumprod(dim=-1).sum(dim=-1)
@@ -49,15 +69,17 @@ def leading_matches(matches: torch.Tensor) -> torch.Tensor:
 def simulate(matches: torch.Tensor, prompt_len: int, seq_len: int, k: int) -> AcceptanceCounts:
     """Greedy chain decoding of x_{prompt_len..seq_len-1} with k drafts a round.
 
-    matches[s, j-1] says whether draft j from position s equals x_{s+j+1}. Prefill emits x_P; rounds
-    start at s = P-1 and stop once the last token x_{seq_len-1} is emitted.
+    matches[s, j-1] says whether draft j from position s equals x_{s+j+1}, the tail included past the
+    sequence's end. Prefill emits x_P; rounds start at s = P-1 and stop once the last token x_{seq_len-1} is
+    emitted. Every round counts its k drafts and all its accepted ones, also those the engine then cuts at
+    the stop id or the budget.
     """
     counts = AcceptanceCounts(k=k)
     a_all = leading_matches(matches[:, :k]).tolist()
     last = seq_len - 1
     s = prompt_len - 1
     while s + 1 < last:
-        a = min(a_all[s], k, last - (s + 1))
+        a = a_all[s]
         counts.drafts += 1
         counts.accepted += a
         for j in range(a):

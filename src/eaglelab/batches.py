@@ -39,23 +39,33 @@ class FeatureDataset(Dataset):
     Items carry their states when the set has them and `with_states`; otherwise the target computes them
     in the training step (online features, `OnlineStates`)."""
 
-    def __init__(self, sequences: Sequences, indices: list[int], with_final: bool, with_states: bool = True):
+    def __init__(
+        self,
+        sequences: Sequences,
+        indices: list[int],
+        with_final: bool,
+        with_states: bool = True,
+        with_tail: bool = False,
+    ):
         self.sequences, self.indices = sequences, list(indices)
-        self.with_final, self.with_states = with_final, with_states
+        self.with_final, self.with_states, self.with_tail = with_final, with_states, with_tail
 
     def __len__(self):
         return len(self.indices)
 
     def __getitem__(self, i):
-        return self.sequences.item(self.indices[i], with_states=self.with_states, with_final=self.with_final)
+        return self.sequences.item(
+            self.indices[i], with_states=self.with_states, with_final=self.with_final, with_tail=self.with_tail
+        )
 
 
 @dataclass
 class Batch:
-    input_ids: torch.Tensor  # [B, T]
+    input_ids: torch.Tensor  # [B, T] the sequences, then (evaluation) their tails, then 0 padding
     prompt_len: torch.Tensor  # [B]
-    seq_len: torch.Tensor  # [B]
+    seq_len: torch.Tensor  # [B] tokens of the sequence proper (states, labels and losses stop here)
     index: torch.Tensor  # [B] the sequences' rows in their store
+    known_len: torch.Tensor | None = None  # [B] seq_len + the tail's length (None: no tail, seq_len)
     target_next: torch.Tensor | None = None  # [B, T] target's greedy next token (None until states are known)
     aux: torch.Tensor | None = None  # [B, T, n·H_t] float32
     final: torch.Tensor | None = None  # [B, T, H_t] target post-norm state (KL only)
@@ -79,6 +89,8 @@ class Batch:
 
 def collate(items: list[dict]) -> Batch:
     T = max(len(it["input_ids"]) for it in items)
+    known_len = torch.tensor([len(it["input_ids"]) for it in items])  # the sequence and its tail, if any
+    seq_len = torch.tensor([it.get("seq_len", len(it["input_ids"])) for it in items])
 
     def pad(key, value=0):
         if key not in items[0]:
@@ -93,8 +105,9 @@ def collate(items: list[dict]) -> Batch:
     return Batch(
         input_ids=pad("input_ids"),
         prompt_len=torch.tensor([it["prompt_len"] for it in items]),
-        seq_len=torch.tensor([len(it["input_ids"]) for it in items]),
+        seq_len=seq_len,
         index=torch.tensor([it["index"] for it in items]),
+        known_len=known_len,
         target_next=pad("target_next", value=-1),
         aux=aux.float() if aux is not None else None,
         final=final.float() if final is not None else None,
@@ -216,7 +229,8 @@ def acceptance_counts(
     drafter: Eagle3Drafter, batch: Batch, max_k: int, outs: list | None = None
 ) -> dict[int, AcceptanceCounts]:
     """Simulated greedy-chain acceptance for every k <= max_k from one max_k-step unroll (`outs`, when
-    the caller already ran it)."""
+    the caller already ran it). Drafts past a sequence's end are scored against its tail (in input_ids up to
+    known_len), as an engine scores them before it truncates; past the known tokens they are misses."""
     outs = outs or drafter.unroll(batch.aux, batch.input_ids, max_k, first=batch.first)
     drafting = batch.drafting(0)  # verified positions t >= P-1 with x_{t+1} in the sequence
     drafts = torch.full(
@@ -224,7 +238,10 @@ def acceptance_counts(
     )  # [B, T, K]
     for j, out in enumerate(outs):
         drafts[..., j][drafting] = drafter.to_target_ids(drafter.lm_head(out.normed[drafting]).argmax(-1))
-    truth = torch.stack([shift(batch.input_ids, j + 1, value=-2) for j in range(1, max_k + 1)], dim=-1)
+    known = batch.seq_len if batch.known_len is None else batch.known_len
+    pos = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)
+    tokens = batch.input_ids.masked_fill(pos >= known[:, None], -2)  # no draft equals an unknown token
+    truth = torch.stack([shift(tokens, j + 1, value=-2) for j in range(1, max_k + 1)], dim=-1)
     matches = drafts == truth  # draft j at s vs x_{s+j+1}
     totals = {k: AcceptanceCounts(k=k) for k in range(1, max_k + 1)}
     for b in range(batch.input_ids.shape[0]):

@@ -15,8 +15,9 @@ Each EAGLE-3.1 flag is a boolean that acts in exactly one place:
     norm_before_fc       -> `Eagle3Drafter.fc_input`      (one RMSNorm over the concatenation)
     norm_output          -> `Eagle3Drafter.feedback`      (which state the next step is fed)
     norm_before_residual -> `DecoderLayer.forward`        (residual is hidden_norm(g) instead of g)
-    attention_window     -> `context_mask`                (sliding window + kept sink tokens; eaglelab
-                                                           only: vLLM's Eagle3 drafter has no such flag)
+    attention_window     -> `in_window`                   (sliding window + kept sink tokens, over context and
+                                                           own drafts; eaglelab only: vLLM's Eagle3 drafter has no
+                                                           such flag)
 The flags are the fields of `DrafterFlags` (the config group `drafter`, defaults EAGLE-3.1); a boolean missing
 from a checkpoint's config.json reads as False (EAGLE-3), so old checkpoints load.
 
@@ -255,6 +256,13 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def in_window(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, sink: int) -> torch.Tensor:
+    """Whether a key at position id `k_pos` is inside the sliding window of a query at `q_pos` (broadcast), or is
+    one of the `sink` first tokens, which stay visible. By position, for every key: the verified context and the
+    query's own earlier drafts alike, since a served drafter's draft keys sit in its KV cache at their positions."""
+    return ((q_pos - k_pos) < window) | (k_pos < sink)
+
+
 def context_mask(
     q_pos: torch.Tensor, q_t: torch.Tensor, k_pos: torch.Tensor, window: int | None, sink: int
 ) -> torch.Tensor:
@@ -263,8 +271,7 @@ def context_mask(
     optionally a sliding window (relative to the query's position id) that keeps `sink` first tokens."""
     visible = k_pos <= q_t[..., None]
     if window is not None:
-        recent = (q_pos[..., None] - k_pos) < window
-        visible = visible & (recent | (k_pos < sink))
+        visible = visible & in_window(q_pos[..., None], k_pos, window, sink)
     return visible
 
 
@@ -330,6 +337,18 @@ class Attention(nn.Module):
         scores = (q @ k_ctx.transpose(-1, -2)) * scale  # [B, h, tq, T]
         scores = scores.masked_fill(~mask[:, None], float("-inf"))
         own = [(q * k_i).sum(-1, keepdim=True) * scale for k_i, _ in diag]
+        if cfg.attention_window is not None:
+            # The queries' own drafts of steps 2..j sit at position ids t+1..t+j-1 (own[i] is len(own)-1-i positions
+            # before the query): the window masks them by position, as it masks the context.
+            own = [
+                s.masked_fill(
+                    ~in_window(
+                        positions, positions - (len(own) - 1 - i), cfg.attention_window, cfg.attention_sink_tokens
+                    )[:, None, :, None],
+                    float("-inf"),
+                )
+                for i, s in enumerate(own)
+            ]
         probs = torch.softmax(torch.cat([scores, *own], dim=-1), dim=-1)  # [B, h, tq, T + j - 1]
         if self.probe is not None:
             self.probe(probs, positions, query_t)

@@ -27,7 +27,7 @@ def evaluate_simulated(
 ) -> dict[int, AcceptanceCounts]:
     """τ and per-position acceptance for every k = 1..max_k over all sequences of `features`."""
     drafter.eval()
-    data = FeatureDataset(features, list(range(len(features))), with_final=False)
+    data = FeatureDataset(features, list(range(len(features))), with_final=False, with_tail=True)
     totals = {k: AcceptanceCounts(k=k) for k in range(1, max_k + 1)}
     loader = DataLoader(data, batch_size=batch_size, collate_fn=collate)
     for batch in tqdm(loader, desc="evaluate (simulated)", leave=False):
@@ -92,7 +92,6 @@ def held_out_in_vllm(cfg: RunConfig, run_dir: Path, drafter: Eagle3Drafter, serv
         concurrencies=v.concurrencies,
         num_prompts=v.num_prompts,
         throughput_prompts=v.throughput_prompts,
-        max_new_tokens=cfg.eval.max_new_tokens,
         dtype=cfg.target.dtype,
         max_model_len=serving.max_model_len,
         suite=cfg.eval.prompts,
@@ -115,11 +114,49 @@ def counts_from(row: dict) -> AcceptanceCounts:
     )
 
 
+def same_output_share(outputs: list[list[int]], features) -> float:
+    """Share of prompts whose served greedy output is exactly the stored response the simulator scored."""
+    responses = [list(map(int, ids[p:])) for ids, p in zip(features["input_ids"], features["prompt_len"])]
+    return sum(o == r for o, r in zip(outputs, responses)) / len(responses)
+
+
+def parity_row(suite: str, group: str, prompts: int, sim: AcceptanceCounts, vllm: AcceptanceCounts, same: float):
+    """Simulated vs vLLM on the same prompts and k: one row of parity.csv. Draft and accepted counts are compared
+    as counts (identical when both evaluators decode the same sequences), per position as space-separated counts."""
+    return {
+        "suite": suite,
+        "group": group,
+        "k": sim.k,
+        "prompts": prompts,
+        "drafts_simulated": sim.drafts,
+        "drafts_vllm": vllm.drafts,
+        "accepted_simulated": sim.accepted,
+        "accepted_vllm": vllm.accepted,
+        "tau_simulated": sim.acceptance_length,
+        "tau_vllm": vllm.acceptance_length,
+        "relative_difference": (sim.acceptance_length - vllm.acceptance_length) / vllm.acceptance_length,
+        "accepted_per_pos_simulated": " ".join(map(str, sim.accepted_per_pos)),
+        "accepted_per_pos_vllm": " ".join(map(str, vllm.accepted_per_pos)),
+        "same_output_share": same,
+    }
+
+
+def parity_metrics(parity: list[dict]) -> dict:
+    """Summary of parity.csv for metrics.json: the largest |Δτ|/τ and the rows whose counts differ."""
+    if not parity:
+        return {}
+    return {
+        "parity/max_abs_relative_difference": max(abs(p["relative_difference"]) for p in parity),
+        "parity/draft_count_mismatches": sum(p["drafts_simulated"] != p["drafts_vllm"] for p in parity),
+        "parity/accepted_count_mismatches": sum(p["accepted_simulated"] != p["accepted_vllm"] for p in parity),
+    }
+
+
 @dataclass
 class VllmReport:
     acceptance: list[dict]  # rows like acceptance_rows' by_k, evaluator "vllm"
     per_position: list[dict]
-    parity: list[dict]  # k, τ_sim and τ_vLLM on the same prompts, relative difference
+    parity: list[dict]  # parity_row per k: counts and τ, simulated vs vLLM, on the same prompts
     throughput: list[dict]  # method, k, concurrency, output tokens/s, speedup vs no speculation
     metrics: dict
 
@@ -135,7 +172,6 @@ def evaluate_in_vllm(
     concurrencies: list[int],
     num_prompts: int,
     throughput_prompts: int,
-    max_new_tokens: int,
     dtype: str,
     max_model_len: int,
     suite: str,
@@ -154,7 +190,9 @@ def evaluate_in_vllm(
         "target": str(target_path),
         "drafter": str(drafter_dir),
         "prompts": prompts,
-        "max_tokens": max_new_tokens,
+        # Each sequence's own budget and stop ids, as it was regenerated: vLLM decodes the sequences scored.
+        "max_tokens": [int(b) for b in subset["max_tokens"]],
+        "stop_token_ids": subset.stop_token_ids,
         "ks": ks,
         "throughput_ks": throughput_ks,
         "concurrencies": concurrencies,
@@ -169,29 +207,14 @@ def evaluate_in_vllm(
     vllm_totals = {row["k"]: counts_from(row) for row in result["acceptance"]}
     acc_rows, pos_rows = acceptance_rows(vllm_totals, evaluator="vllm", suite=suite)
     sim_totals = evaluate_simulated(drafter, subset, max(ks)) if ks else {}
-    responses = [list(map(int, ids[p:])) for ids, p in zip(subset["input_ids"], subset["prompt_len"])]
     parity, metrics = [], {}
     for row in result["acceptance"]:
         k = row["k"]
-        tau_sim, tau_vllm = sim_totals[k].acceptance_length, vllm_totals[k].acceptance_length
-        same = sum(o == r for o, r in zip(row["outputs"], responses)) / len(responses)
-        parity.append(
-            {
-                "suite": suite,
-                "k": k,
-                "prompts": len(prompts),
-                "tau_simulated": tau_sim,
-                "tau_vllm": tau_vllm,
-                "relative_difference": (tau_sim - tau_vllm) / tau_vllm,
-                "drafts_simulated": sim_totals[k].drafts,
-                "drafts_vllm": vllm_totals[k].drafts,
-                "same_output_share": same,
-            }
-        )
-        metrics[f"vllm/acceptance_length@k{k}"] = tau_vllm
-        metrics[f"parity/relative_difference@k{k}"] = (tau_sim - tau_vllm) / tau_vllm
-    if parity:
-        metrics["parity/max_abs_relative_difference"] = max(abs(p["relative_difference"]) for p in parity)
+        same = same_output_share(row["outputs"], subset)
+        parity.append(parity_row(suite, "", len(prompts), sim_totals[k], vllm_totals[k], same))
+        metrics[f"vllm/acceptance_length@k{k}"] = vllm_totals[k].acceptance_length
+        metrics[f"parity/relative_difference@k{k}"] = parity[-1]["relative_difference"]
+    metrics.update(parity_metrics(parity))
 
     baseline = {
         r["concurrency"]: r["output_tokens"] / r["seconds"] for r in result["throughput"] if r["method"] == "none"

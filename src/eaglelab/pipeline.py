@@ -18,6 +18,7 @@ import torch
 from omegaconf import OmegaConf
 
 from eaglelab import preemption
+from eaglelab.acceptance import tail_tokens
 from eaglelab.batches import OnlineStates
 from eaglelab.config import RunConfig, max_k
 from eaglelab.data.prepare import CaptureSettings, PrepareStats, prepare_features
@@ -186,14 +187,19 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
     record.evaluator = "simulated+vllm" if use_vllm else "simulated"
     with timer("evaluate"):
         by_k, by_pos = evaluate_held_out(cfg, run_dir, drafter, data.held_out, metrics)
+    parity: list[dict] = []  # simulated vs vLLM, every group vLLM measures (parity.csv)
     if use_vllm:
         with timer("evaluate_vllm"), drafter_kept(run_dir):
-            by_k = evaluate_held_out_in_vllm(cfg, run_dir, drafter, serving, data.held_out, by_k, by_pos, metrics)
+            by_k, parity = evaluate_held_out_in_vllm(
+                cfg, run_dir, drafter, serving, data.held_out, by_k, by_pos, metrics
+            )
     plot_acceptance(run_dir, f"{cfg.variant} (seed {cfg.train.seed})")
     # 6. Suites: extrapolation, drift, long context, templates.
     with timer("suites"), drafter_kept(run_dir):
         metrics.update(
-            evaluate_suites(cfg, drafter, data.suites, data.held_out, by_k, run_dir, serving if use_vllm else None)
+            evaluate_suites(
+                cfg, drafter, data.suites, data.held_out, by_k, run_dir, serving if use_vllm else None, parity
+            )
         )
     timer.seconds["total"] = time.time() - record.started
     metrics.update({f"time/{k}_s": v for k, v in timer.seconds.items()})
@@ -308,12 +314,18 @@ def prepare_data(
             val_fraction=cfg.data.val_fraction,
             features=cfg.features.kind,
             with_final=cfg.train.loss == "kl",  # the KL teacher's state; CE needs none
+            tail_tokens=tail_tokens(2 * cfg.train.ttt_steps),  # validation τ up to k = 2·ttt
             **asdict(capture),
         )
     if not evaluate:
         return out
     out.held_out, eval_stats = prepare_features(
-        target, prompts.held_out, name="eval", max_new_tokens=cfg.eval.max_new_tokens, **asdict(capture)
+        target,
+        prompts.held_out,
+        name="eval",
+        max_new_tokens=cfg.eval.max_new_tokens,
+        tail_tokens=tail_tokens(max_k(cfg)),
+        **asdict(capture),
     )
     for stage in ("regenerate", "capture"):
         timer.seconds[stage] = train_stats.seconds.get(stage, 0.0) + eval_stats.seconds[stage]
@@ -368,8 +380,9 @@ def evaluate_held_out_in_vllm(
     by_k: list[dict],
     by_pos: list[dict],
     metrics: dict,
-) -> list[dict]:
-    """vLLM's τ per k and decode speedup, appended to the simulated tables; parity.csv, throughput.csv."""
+) -> tuple[list[dict], list[dict]]:
+    """vLLM's τ per k and decode speedup, appended to the simulated tables; parity.csv, throughput.csv.
+    -> (acceptance rows of both evaluators, parity rows)."""
     report = held_out_in_vllm(cfg, run_dir, drafter, serving, held_out)
     by_k = by_k + report.acceptance
     write_csv(run_dir / "acceptance.csv", by_k)
@@ -379,4 +392,4 @@ def evaluate_held_out_in_vllm(
     metrics.update(report.metrics)
     if report.throughput:
         plot_speedup(run_dir, f"{cfg.variant} (seed {cfg.train.seed})")
-    return by_k
+    return by_k, report.parity

@@ -36,7 +36,8 @@ def plot_acceptance(run_dir: Path, title: str) -> Path:
         color=PALETTE[0],
         label="simulated (all held-out prompts)",
     )
-    if parity := (_read(run_dir / "parity.csv") if (run_dir / "parity.csv").exists() else []):
+    parity = _read(run_dir / "parity.csv") if (run_dir / "parity.csv").exists() else []
+    if parity := [r for r in parity if not r.get("group")]:  # the held-out set's rows (the suites' have a group)
         n = parity[0]["prompts"]
         ax1.plot(
             [int(r["k"]) for r in parity],

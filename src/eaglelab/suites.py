@@ -19,13 +19,22 @@ import logging
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from eaglelab.acceptance import tail_tokens
 from eaglelab.config import RunConfig, max_k, suite_ks
 from eaglelab.data.long_context import MODULES, long_context_prompts
 from eaglelab.data.prepare import CaptureSettings, prepare_features
 from eaglelab.data.templates import CONDITIONS, renderer
 from eaglelab.drift import drift_diagnostics
 from eaglelab.errors import ConfigError
-from eaglelab.evaluate import Serving, counts_from, evaluate_simulated, evenly_spaced
+from eaglelab.evaluate import (
+    Serving,
+    counts_from,
+    evaluate_simulated,
+    evenly_spaced,
+    parity_metrics,
+    parity_row,
+    same_output_share,
+)
 from eaglelab.io import write_csv
 
 log = logging.getLogger("eaglelab")
@@ -64,6 +73,7 @@ def prepare_suites(cfg: RunConfig, target, eval_prompts: list, capture: CaptureS
     """Regenerate and capture the long-context and template prompts (cached like training data)."""
     s, out = cfg.eval.suites, SuiteInputs()
     native = renderer("native", cfg.data.system_prompt)
+    tail = tail_tokens(max(suite_ks(cfg)))
     if s.long_context.enabled:
         lc = s.long_context
         room = target.max_context - lc.max_new_tokens - 8  # prompt + answer inside the target's window
@@ -85,7 +95,12 @@ def prepare_suites(cfg: RunConfig, target, eval_prompts: list, capture: CaptureS
                 capture, max_length=target.max_context, batch_size=min(capture.batch_size, lc.num_prompts)
             )
             feats, stats = prepare_features(
-                target, prompts, name=f"long_context-{length}", max_new_tokens=lc.max_new_tokens, **asdict(settings)
+                target,
+                prompts,
+                name=f"long_context-{length}",
+                max_new_tokens=lc.max_new_tokens,
+                tail_tokens=tail,
+                **asdict(settings),
             )
             out.long_context[length] = feats
             out.seconds += sum(stats.seconds.values())
@@ -107,6 +122,7 @@ def prepare_suites(cfg: RunConfig, target, eval_prompts: list, capture: CaptureS
                 name=f"templates-{condition}",
                 max_new_tokens=tp.max_new_tokens,
                 render=render,
+                tail_tokens=tail,
                 **asdict(replace(capture, max_length=target.max_context)),
             )
             out.templates[condition] = feats
@@ -118,22 +134,20 @@ def _prompts(features) -> list[list[int]]:
     return [list(map(int, ids[:p])) for ids, p in zip(features["input_ids"], features["prompt_len"])]
 
 
-def _responses(features) -> list[list[int]]:
-    return [list(map(int, ids[p:])) for ids, p in zip(features["input_ids"], features["prompt_len"])]
-
-
-def _rows(suite: str, groups: dict[str, object], drafter, cfg: RunConfig, vllm_rows: dict) -> list[dict]:
-    """τ per condition: simulated for every k <= max(suite ks), vLLM at the suite ks when measured."""
+def _rows(suite: str, groups: dict[str, object], drafter, cfg: RunConfig, vllm_rows: dict) -> tuple[list, list]:
+    """τ per condition: simulated for every k <= max(suite ks), vLLM at the suite ks when measured.
+    -> (the suite's table, its parity rows)."""
     ks = suite_ks(cfg)
-    rows = []
+    rows, parity = [], []
     for condition, feats in groups.items():
         tokens = sum(feats["prompt_len"]) / len(feats)
         sim = evaluate_simulated(drafter, feats, max(ks), batch_size=cfg.train.batch_size)
         measured = [("simulated", k, sim[k], None) for k in ks]
         for k in ks:
             if (row := vllm_rows.get((f"{suite}/{condition}", k))) is not None:
-                same = sum(o == r for o, r in zip(row["outputs"], _responses(feats))) / len(feats)
+                same = same_output_share(row["outputs"], feats)
                 measured.append(("vllm", k, counts_from(row), same))
+                parity.append(parity_row(suite, condition, len(feats), sim[k], counts_from(row), same))
         for evaluator, k, counts, same in measured:
             rows.append(
                 {
@@ -149,29 +163,29 @@ def _rows(suite: str, groups: dict[str, object], drafter, cfg: RunConfig, vllm_r
                     "same_output_share": same,
                 }
             )
-    return rows
+    return rows, parity
 
 
-def _vllm_groups(inputs: SuiteInputs, cfg: RunConfig) -> dict:
-    s = cfg.eval.suites
-    groups = {
-        f"long_context/{n}": {"prompts": _prompts(f), "max_tokens": s.long_context.max_new_tokens}
-        for n, f in inputs.long_context.items()
-    }
-    groups.update(
-        {
-            f"templates/{c}": {"prompts": _prompts(f), "max_tokens": s.templates.max_new_tokens}
-            for c, f in inputs.templates.items()
-        }
-    )
-    return groups
+def _vllm_groups(inputs: SuiteInputs) -> dict:
+    """The suites' prompt sets for one engine, each with its sequences' own budgets."""
+    sets = {f"long_context/{n}": f for n, f in inputs.long_context.items()}
+    sets.update({f"templates/{c}": f for c, f in inputs.templates.items()})
+    return {name: {"prompts": _prompts(f), "max_tokens": [int(b) for b in f["max_tokens"]]} for name, f in sets.items()}
 
 
 def evaluate_suites(
-    cfg: RunConfig, drafter, inputs: SuiteInputs, eval_feats, by_k: list[dict], run_dir: Path, serving: Serving | None
+    cfg: RunConfig,
+    drafter,
+    inputs: SuiteInputs,
+    eval_feats,
+    by_k: list[dict],
+    run_dir: Path,
+    serving: Serving | None,
+    parity: list[dict] | None = None,
 ) -> dict:
     """Run the enabled suites on `drafter`; `serving` (target path, window) when vLLM should measure too.
-    Returns flat metrics; tables and plots are written to run_dir/suites/."""
+    Returns flat metrics; tables and plots are written to run_dir/suites/, and the suites' parity rows are
+    added to the held-out evaluation's (`parity`) in run_dir/parity.csv."""
     from eaglelab.plots import plot_drift, plot_extrapolation, plot_suite
 
     s, out_dir, metrics = cfg.eval.suites, run_dir / "suites", {}
@@ -220,7 +234,8 @@ def evaluate_suites(
             "mode": "evaluate",
             "target": str(serving.path),
             "drafter": str(run_dir / "drafter"),
-            "groups": _vllm_groups(inputs, cfg),
+            "groups": _vllm_groups(inputs),
+            "stop_token_ids": next(iter({**inputs.long_context, **inputs.templates}.values())).stop_token_ids,
             "ks": suite_ks(cfg),
             "throughput_ks": [],
             "concurrencies": [],
@@ -234,7 +249,8 @@ def evaluate_suites(
     for suite, groups in (("long_context", inputs.long_context), ("templates", inputs.templates)):
         if not groups:
             continue
-        rows = _rows(suite, {str(c): f for c, f in groups.items()}, drafter, cfg, vllm_rows)
+        rows, suite_parity = _rows(suite, {str(c): f for c, f in groups.items()}, drafter, cfg, vllm_rows)
+        parity = [*(parity or []), *suite_parity]
         if suite == "templates":
             for r in rows:
                 r["same_as"] = ""
@@ -254,4 +270,7 @@ def evaluate_suites(
             if "ratio_to_native" in r:
                 metrics[f"{suite}/{r['evaluator']}/ratio_to_native@{at}"] = r["ratio_to_native"]
         plot_suite(out_dir, suite, cfg.variant)
+    if vllm_rows:
+        write_csv(run_dir / "parity.csv", parity)
+        metrics.update(parity_metrics(parity))
     return metrics

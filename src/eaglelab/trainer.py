@@ -58,7 +58,7 @@ def train_drafter(
         )
     with_final = cfg.train.loss == "kl"
     train_set = FeatureDataset(features, train_idx, with_final)
-    val_set = FeatureDataset(features, val_idx, with_final) if val_idx else None
+    val_set = FeatureDataset(features, val_idx, with_final, with_tail=True) if val_idx else None  # exact val τ
     draft_ids, coverage = draft_vocab(
         [features.item(i, with_states=False)["input_ids"] for i in train_idx],
         [features.item(i, with_states=False)["prompt_len"] for i in train_idx],

@@ -10,10 +10,11 @@ it is what vLLM does anyway. Counters are vLLM's own (`vllm:spec_decode_*`): τ 
 Jobs (JSON):
   {"mode": "generate", target, shards ({shard: [prompt ids]}), max_tokens ({shard: [per prompt]}), shard_dir,
    stop_token_ids, dtype, max_model_len}
-      -> shard_dir/<shard>.json ([[response ids]], written as each shard finishes), {"seconds", "output_tokens"}
-  {"mode": "evaluate", target, drafter, prompts, max_tokens, ks, concurrencies, throughput_ks,
-   throughput_prompts, dtype, max_model_len, groups (optional: {name: {prompts, max_tokens}} measured
-   separately instead of `prompts`)}
+      -> shard_dir/<shard>.json ([[response ids, tail ids]], written as each shard finishes),
+         {"seconds", "output_tokens"}; tail: `tail_tokens` greedy ids past the response's end
+  {"mode": "evaluate", target, drafter, prompts, max_tokens (one, or one per prompt), stop_token_ids, ks,
+   concurrencies, throughput_ks, throughput_prompts, dtype, max_model_len, groups (optional: {name: {prompts,
+   max_tokens}} measured separately instead of `prompts`)}
       -> {"acceptance": [{group, k, drafts, accepted, accepted_per_pos, outputs}],
           "throughput": [{method, k, concurrency, prompts, output_tokens, seconds}]}
 Concurrency c means an engine with max_num_seqs = c and all requests submitted at once (continuous
@@ -173,13 +174,21 @@ def _engine(job: dict, k: int | None = None, max_num_seqs: int | None = None):
     )
 
 
-def _generate(llm, prompts: list[list[int]], max_tokens, stop_token_ids=None):
+def _generate(llm, prompts: list[list[int]], max_tokens, stop_token_ids=None, ignore_eos: bool = False):
     from vllm import SamplingParams
 
-    budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
-    params = [SamplingParams(temperature=0.0, max_tokens=b, stop_token_ids=stop_token_ids) for b in budgets]
+    budgets = _budgets(max_tokens, len(prompts))
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=b, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+        for b in budgets
+    ]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _budgets(max_tokens, n: int) -> list[int]:
+    """Per-prompt budgets: one for all, or each sequence's own (the budget it was regenerated with)."""
+    return list(max_tokens) if isinstance(max_tokens, list) else [max_tokens] * n
 
 
 def _throughput(job: dict, k: int | None, c: int, prompts) -> tuple[int, float]:
@@ -187,7 +196,8 @@ def _throughput(job: dict, k: int | None, c: int, prompts) -> tuple[int, float]:
     llm = _engine(job, k, max_num_seqs=c)
     _generate(llm, prompts[:1], 4)  # warm-up: first-call allocations are not decode speed
     t0 = time.perf_counter()
-    outs = _generate(llm, prompts, job["max_tokens"])
+    budgets = _budgets(job["max_tokens"], len(job["prompts"]))[: len(prompts)]
+    outs = _generate(llm, prompts, budgets, job.get("stop_token_ids"))
     return sum(len(o) for o in outs), time.perf_counter() - t0
 
 
@@ -198,7 +208,7 @@ def _acceptance(job: dict, k: int) -> list[dict]:
     groups = job.get("groups") or {"": {"prompts": job["prompts"], "max_tokens": job["max_tokens"]}}
     rows, before = [], _spec_counters(llm, k)
     for name, group in groups.items():
-        outs = _generate(llm, group["prompts"], group["max_tokens"])
+        outs = _generate(llm, group["prompts"], group["max_tokens"], job.get("stop_token_ids"))
         after = _spec_counters(llm, k)
         rows.append(
             {
@@ -214,6 +224,22 @@ def _acceptance(job: dict, k: int) -> list[dict]:
     return rows
 
 
+def _tails(llm, prompts, responses, tail_tokens: int, max_model_len: int) -> list[list[int]]:
+    """The greedy continuation past each response's end, its stop id fed like any token (what a verifier
+    scores drafts past the end against; eaglelab.data.regenerate.generate makes the same)."""
+    from eaglelab.acceptance import tail_room
+
+    seqs = [p + r for p, r in zip(prompts, responses)]
+    room = [tail_room(len(s), tail_tokens, max_model_len) for s in seqs]
+    todo = [i for i, n in enumerate(room) if n > 0]
+    tails = [[] for _ in seqs]
+    if todo:
+        outs = _generate(llm, [seqs[i] for i in todo], [room[i] for i in todo], stop_token_ids=[], ignore_eos=True)
+        for i, out in zip(todo, outs):
+            tails[i] = out
+    return tails
+
+
 def _regenerate(job: dict) -> dict:
     """Shard by shard, each shard's responses written (atomically) as soon as it is done: a killed engine
     loses at most the shard in flight."""
@@ -224,9 +250,10 @@ def _regenerate(job: dict) -> dict:
     for shard, prompts in job["shards"].items():
         t0 = time.perf_counter()
         outs = _generate(llm, prompts, job["max_tokens"][shard], job.get("stop_token_ids"))
+        tails = _tails(llm, prompts, outs, job.get("tail_tokens", 0), job["max_model_len"])
         dt, n = time.perf_counter() - t0, sum(len(o) for o in outs)
         tmp = out_dir / f".{shard}.json.tmp"
-        tmp.write_text(json.dumps(outs))
+        tmp.write_text(json.dumps([[o, t] for o, t in zip(outs, tails)]))
         os.replace(tmp, out_dir / f"{shard}.json")
         seconds, tokens = seconds + dt, tokens + n
         progress(f"shard {shard}: {n / dt:.0f} tok/s")

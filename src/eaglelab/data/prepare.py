@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from eaglelab.data.capture import capture_batch
 from eaglelab.data.prompts import Messages, is_validation
-from eaglelab.data.regenerate import generate, generate_vllm
+from eaglelab.data.regenerate import Generated, generate, generate_vllm, response_budget, stop_ids
 from eaglelab.data.store import (
     Sequences,
     StateStore,
@@ -46,7 +46,9 @@ from eaglelab.errors import DataError, ResourceError
 from eaglelab.limits import free_bytes, size_text
 
 log = logging.getLogger(__name__)
-CACHE_VERSION = 4  # bump when the stored layout or its meaning changes (4: sharded token and state stores)
+# Bump when the stored layout or its meaning changes (4: sharded token and state stores; 5: per-sequence budgets,
+# tails and stop ids).
+CACHE_VERSION = 5
 # Bytes on disk besides the values (eaglelab.data.store; measured on real shards): Arrow's framing of a sequence
 # (its record batch's metadata and footer entry: ~400 bytes in a state shard), of a shard file, and vLLM's
 # responses as JSON text while a regeneration runs (~6 characters per token id).
@@ -103,10 +105,13 @@ def prepare_features(
     render=None,
     features: str = "cached",
     with_final: bool = False,
+    tail_tokens: int = 0,
 ) -> tuple[Sequences, PrepareStats]:
     """Regenerated (and, for `features="cached"`, captured) sequences of `prompts`. `with_final` also stores the
     target's post-norm state (the KL loss's teacher; 25% more bytes with 3 aux layers). `render(tokenizer,
-    messages) -> ids` replaces the native chat template (evaluation suites)."""
+    messages) -> ids` replaces the native chat template (evaluation suites). `tail_tokens`: greedy tokens kept
+    past each sequence's end, for simulated acceptance up to draft depth tail_tokens + 1
+    (`eaglelab.acceptance.tail_tokens`)."""
     cache_dir = Path(cache_dir).expanduser()
     states = features == "cached"
     stats = PrepareStats(prompts=len(prompts))
@@ -154,13 +159,15 @@ def prepare_features(
         batch_size=batch_size,
         shard_size=shard_size,
         backend=backend,
+        tail_tokens=tail_tokens,
+        stop_token_ids=sorted(stop_ids(target)),
     )
     feat_key = cache_key(v=CACHE_VERSION, regen=regen_key, aux=list(aux_layer_ids), final=with_final)
     regen_dir, feat_dir = cache_dir / "regen" / regen_key, cache_dir / "features" / feat_key
     state_bytes = len(aux_layer_ids) * target.hidden_size * 2 + 4 + (target.hidden_size * 2 if with_final else 0)
     check_disk_space(
         cache_dir, name, [len(ids) for ids in templated], shards, regen_dir, feat_dir,
-        max_new_tokens=max_new_tokens, limit=limit, backend=backend,
+        max_new_tokens=max_new_tokens + tail_tokens, limit=limit, backend=backend,
         state_bytes=state_bytes if features != "online" else 0,  # hybrid writes them in its first epoch
     )  # fmt: skip
     t0 = time.perf_counter()
@@ -175,9 +182,11 @@ def prepare_features(
             stats.shards_regenerated = _regenerate(
                 target, templated, is_val, shards, regen_dir, feat_dir if fused else None, aux_layer_ids, with_final,
                 max_new_tokens=max_new_tokens, limit=limit, batch_size=batch_size, backend=backend,
-                workdir=cache_dir / "logs" / f"regen-{regen_key}", name=name,
+                workdir=cache_dir / "logs" / f"regen-{regen_key}", name=name, tail_tokens=tail_tokens,
             )  # fmt: skip
-            mark_complete(regen_dir, {"name": name, "target": target.fingerprint, "shards": len(shards)})
+            meta = {"name": name, "target": target.fingerprint, "shards": len(shards)}
+            meta.update(stop_token_ids=sorted(stop_ids(target)), tail_tokens=tail_tokens)
+            mark_complete(regen_dir, meta)
         t_regen = time.perf_counter() - t0
         if states and not stats.capture_cached:
             # New aux layers for an existing regeneration, a vLLM regeneration, or a fused pass cut short.
@@ -247,7 +256,7 @@ def _shard_rows(shards: list[list[int]]) -> list[tuple[str, list[int]]]:
 
 def _regenerate(
     target, templated, is_val, shards, regen_dir: Path, feat_dir: Path | None, aux_layer_ids, with_final, *,
-    max_new_tokens, limit, batch_size, backend, workdir: Path, name: str,
+    max_new_tokens, limit, batch_size, backend, workdir: Path, name: str, tail_tokens: int,
 ) -> int:  # fmt: skip
     """Token shards not yet on disk (and, with `feat_dir`, their state shards from the same pass).
     -> shards generated."""
@@ -256,7 +265,7 @@ def _regenerate(
         log.info("%s: %d of %d shards already regenerated, kept", name, len(shards) - len(todo), len(shards))
     if backend == "vllm":
         prompts = {i: [templated[j] for j in shards[i]] for i in todo}
-        responses, _ = generate_vllm(target, prompts, max_new_tokens, limit, workdir)
+        responses, _ = generate_vllm(target, prompts, max_new_tokens, limit, workdir, tail_tokens)
     bar = tqdm(desc=f"regenerate {name}", unit="tok", unit_scale=True, leave=False)
     have_states = shards_done(feat_dir) if feat_dir is not None else set()
     shard_rows = _shard_rows(shards)
@@ -264,16 +273,17 @@ def _regenerate(
         prompts = [templated[j] for j in shards[i]]
         capture = feat_dir is not None and i not in have_states
         if backend == "vllm":
-            rows = [(k, r, None) for k, r in enumerate(responses[i])]
+            rows = [Generated(k, r, t, None) for k, (r, t) in enumerate(responses[i])]
         else:
             layers = list(aux_layer_ids) if capture else None
-            rows = generate(target, prompts, max_new_tokens, limit, batch_size, capture_layers=layers)
+            rows = generate(target, prompts, max_new_tokens, limit, batch_size, layers, tail_tokens)
         first_row = shard_rows[i][1][0]  # the shard's first row in the store
         tokens = []
         with StateWriter(feat_dir / shard_name(i), with_final) if capture else contextlib.nullcontext() as writer:
-            for k, response, captured in rows:  # in the shard's (length) order
+            for k, response, tail, captured in rows:  # in the shard's (length) order
                 assert k == len(tokens), "rows come in the shard's order"
-                tokens.append((prompts[k] + response, len(prompts[k]), is_val[shards[i][k]]))
+                budget = response_budget(len(prompts[k]), max_new_tokens, limit)
+                tokens.append((prompts[k] + response, len(prompts[k]), is_val[shards[i][k]], budget, tail))
                 if writer is not None:
                     writer.write(first_row + k, captured["aux"], captured["target_next"], captured["final"])
                 bar.update(len(prompts[k]) + len(response))

@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
+from eaglelab.acceptance import tail_room
 from eaglelab.data.capture import aux_hooks
 
 
@@ -22,6 +24,18 @@ def stop_ids(target) -> set[int]:
     return {i for i in ids if i is not None}
 
 
+class Generated(NamedTuple):
+    index: int  # the prompt's index in the caller's list
+    response: list[int]  # greedy ids up to a stop id (kept) or the sequence's budget
+    tail: list[int]  # the greedy continuation past the response's end (see `generate`)
+    captured: dict | None  # aux [T, n·H], final [T, H], target_next [T] of the sequence's T tokens
+
+
+def response_budget(prompt_len: int, max_new_tokens: int, max_length: int) -> int:
+    """A sequence's own response budget: `max_tokens` of its request when vLLM serves it."""
+    return min(max_new_tokens, max_length - prompt_len)
+
+
 @torch.no_grad()
 def generate(
     target,
@@ -30,17 +44,24 @@ def generate(
     max_length: int,
     batch_size: int,
     capture_layers: list[int] | None = None,
+    tail_tokens: int = 0,
 ):
     """Greedy continuations, batched by similar length (left padding), with a KV cache.
 
+    Each sequence has its own budget (`response_budget`) and ends at the first stop id, kept. Then
+    `tail_tokens` more greedy tokens are generated past its end, the stop id fed like any token (none past
+    `max_length`: `eaglelab.acceptance.tail_room`): an engine verifying k drafts near the end scores them
+    against exactly these tokens before it truncates the output, so the simulated evaluator needs them to
+    count as it does.
+
     With `capture_layers`, the target's aux states, post-norm state and greedy next token at every
-    position are captured in the same pass (forward hooks), instead of a second full forward over the
-    finished sequences: each position's states come from the one forward that generated from it.
-    Yields (prompt index, response ids, captured dict or None), in length order.
+    position of the sequence (not the tail) are captured in the same pass (forward hooks), instead of a
+    second full forward over the finished sequences: each position's states come from the one forward that
+    generated from it. Yields `Generated` per prompt, in length order.
     """
     model, pad = target.model, target.tokenizer.pad_token_id
     device = next(model.parameters()).device  # where training runs (train.accelerator)
-    eos = torch.tensor(sorted(stop_ids(target)), device=device)
+    stops = stop_ids(target)
     order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
     hooks = aux_hooks(model, capture_layers) if capture_layers else contextlib.nullcontext({})
     with hooks as grabbed:
@@ -48,6 +69,7 @@ def generate(
             idx = order[start : start + batch_size]
             lens = [len(prompt_ids[i]) for i in idx]
             B, W = len(idx), max(lens)
+            budgets = [response_budget(n, max_new_tokens, max_length) for n in lens]
             ids = torch.full((B, W), pad, dtype=torch.long)
             mask = torch.zeros_like(ids)
             for row, i in enumerate(idx):
@@ -72,59 +94,80 @@ def generate(
 
             if capture_layers:
                 record(range(B), out.logits, prefill=True)
-            nxt = out.logits[:, -1].argmax(-1)
-            alive = torch.ones(B, dtype=torch.bool, device=device)
+            nxt = out.logits[:, -1].argmax(-1).tolist()
             responses: list[list[int]] = [[] for _ in idx]
-            budget = min(max_new_tokens, max_length - W)
-            for step in range(budget):
-                fed = alive.clone()  # rows whose token `nxt` belongs to their sequence
-                for row in torch.nonzero(fed).flatten().tolist():
-                    responses[row].append(int(nxt[row]))
-                alive &= ~torch.isin(nxt, eos)
-                if not capture_layers and (step == budget - 1 or not alive.any()):
+            tails: list[list[int]] = [[] for _ in idx]
+            tail_wanted = [0] * B
+            ended = [False] * B  # the response is complete; the row is generating its tail
+            while True:
+                fed, in_sequence = [], []  # rows fed this step; those whose fed token is a sequence token
+                for row in range(B):
+                    if ended[row] and len(tails[row]) == tail_wanted[row]:
+                        continue  # done
+                    if not ended[row]:
+                        responses[row].append(nxt[row])
+                        in_sequence.append(row)
+                        if nxt[row] in stops or len(responses[row]) == budgets[row]:
+                            ended[row] = True
+                            tail_wanted[row] = tail_room(lens[row] + len(responses[row]), tail_tokens, max_length)
+                    else:
+                        tails[row].append(nxt[row])
+                    done = ended[row] and len(tails[row]) == tail_wanted[row]
+                    # A finished row is fed once more only for its last token's states.
+                    if not done or (capture_layers and row in in_sequence):
+                        fed.append(row)
+                if not fed:
                     break
-                # Feed the new tokens: their states (capture) and the following greedy token.
+                feed = torch.zeros(B, dtype=torch.bool, device=device)
+                feed[fed] = True
+                tokens = torch.tensor(nxt, device=device)
                 mask = torch.cat([mask, mask.new_ones(B, 1)], dim=-1)
                 positions = positions[:, -1:] + 1
                 out = model(
-                    input_ids=torch.where(fed, nxt, pad)[:, None],
+                    input_ids=torch.where(feed, tokens, pad)[:, None],
                     attention_mask=mask,
                     position_ids=positions,
                     past_key_values=out.past_key_values,
                     use_cache=True,
                 )
                 if capture_layers:
-                    record(torch.nonzero(fed).flatten().tolist(), out.logits, prefill=False)
-                nxt = out.logits[:, -1].argmax(-1)
-                if not alive.any():
-                    break
+                    record(in_sequence, out.logits, prefill=False)
+                nxt = out.logits[:, -1].argmax(-1).tolist()
             for row, i in enumerate(idx):
                 captured = None
                 if capture_layers:
                     aux, final, nexts = zip(*states[row])
                     captured = {"aux": torch.cat(aux), "final": torch.cat(final), "target_next": torch.cat(nexts)}
-                yield i, responses[row], captured
+                yield Generated(i, responses[row], tails[row], captured)
 
 
 def generate_vllm(
-    target, shards: dict[int, list[list[int]]], max_new_tokens: int, max_length: int, workdir: Path
-) -> tuple[dict[int, list[list[int]]], float]:
-    """The same greedy continuations from vLLM (its own process; continuous batching within a shard), shard by
-    shard: -> ({shard: responses}, seconds spent generating, engine start excluded). Each shard's responses reach
-    `workdir/shards/` as soon as the engine has them, and shards already there (from a killed attempt) are not
-    generated again. States are captured afterwards by one HF forward per batch of finished sequences."""
+    target,
+    shards: dict[int, list[list[int]]],
+    max_new_tokens: int,
+    max_length: int,
+    workdir: Path,
+    tail_tokens: int = 0,
+) -> tuple[dict[int, list[tuple[list[int], list[int]]]], float]:
+    """The same greedy continuations and tails from vLLM (its own process; continuous batching within a shard),
+    shard by shard: -> ({shard: [(response, tail)]}, seconds spent generating, engine start excluded). Each
+    shard's responses reach `workdir/shards/` as soon as the engine has them, and shards already there (from a
+    killed attempt) are not generated again. States are captured afterwards by one HF forward per batch of
+    finished sequences."""
     from eaglelab.vllm_engine import run_engine
 
     out_dir = Path(workdir) / "shards"
     todo = {i: p for i, p in shards.items() if not (out_dir / f"{i}.json").is_file()}
     result = {"seconds": 0.0}
+    budgets = {i: [response_budget(len(x), max_new_tokens, max_length) for x in p] for i, p in todo.items()}
     if todo:
         result = run_engine(
             {
                 "mode": "generate",
                 "target": str(target.path),
                 "shards": {str(i): p for i, p in todo.items()},
-                "max_tokens": {str(i): [min(max_new_tokens, max_length - len(x)) for x in p] for i, p in todo.items()},
+                "max_tokens": {str(i): b for i, b in budgets.items()},
+                "tail_tokens": tail_tokens,
                 "shard_dir": str(out_dir),
                 "stop_token_ids": sorted(stop_ids(target)),
                 "dtype": str(target.model.dtype).split(".")[-1],
@@ -134,4 +177,4 @@ def generate_vllm(
             Path(workdir),
             desc="regenerate (vLLM)",
         )
-    return {i: json.loads((out_dir / f"{i}.json").read_text()) for i in shards}, result["seconds"]
+    return {i: [tuple(rt) for rt in json.loads((out_dir / f"{i}.json").read_text())] for i in shards}, result["seconds"]

@@ -1,7 +1,7 @@
 """The on-disk stores of the data path: token shards and state shards, written as they are produced and read
 back one sequence at a time (never a whole split in memory).
 
-    <cache>/regen/<key>/shard-00000.arrow      tokens: input_ids, prompt_len, is_val (one record batch per shard)
+    <cache>/regen/<key>/shard-00000.arrow      tokens: input_ids, prompt_len, is_val, max_tokens, tail (1 record batch)
     <cache>/regen/<key>/complete.json          written last: the entry is whole
     <cache>/features/<key>/shard-00000.arrow   states: aux, [final], target_next (one record batch per sequence)
     <cache>/features/<key>/complete.json       which sequences each shard holds, the state widths
@@ -30,7 +30,17 @@ import torch
 from eaglelab.io import atomic_file, atomic_write_json, file_lock
 from eaglelab.preemption import uninterruptible
 
-TOKENS = pa.schema([("input_ids", pa.list_(pa.int32())), ("prompt_len", pa.int32()), ("is_val", pa.bool_())])
+# max_tokens: the sequence's response budget (its request's `max_tokens` when vLLM serves it); tail: the target's
+# greedy continuation past the sequence's end, which a verifier scores drafts past the end against.
+TOKENS = pa.schema(
+    [
+        ("input_ids", pa.list_(pa.int32())),
+        ("prompt_len", pa.int32()),
+        ("is_val", pa.bool_()),
+        ("max_tokens", pa.int32()),
+        ("tail", pa.list_(pa.int32())),
+    ]
+)
 COMPLETE = "complete.json"
 
 
@@ -58,10 +68,10 @@ def _list(values: np.ndarray, dtype) -> pa.ListArray:
 
 
 # --- writing ----------------------------------------------------------------------------------------
-def write_token_shard(path: Path, rows: list[tuple[list[int], int, bool]]) -> None:
-    """rows: (input_ids, prompt_len, is_val) per sequence, in the shard's order."""
-    ids, plen, val = zip(*rows)
-    batch = pa.record_batch([pa.array(ids, pa.list_(pa.int32())), pa.array(plen, pa.int32()), pa.array(val)], TOKENS)
+def write_token_shard(path: Path, rows: list[tuple[list[int], int, bool, int, list[int]]]) -> None:
+    """rows: (input_ids, prompt_len, is_val, max_tokens, tail) per sequence, in the shard's order."""
+    columns = [pa.array(values, field.type) for values, field in zip(zip(*rows), TOKENS)]
+    batch = pa.record_batch(columns, TOKENS)
     with uninterruptible("token shard"), atomic_file(path, "wb") as f, pa.ipc.new_file(f, TOKENS) as writer:
         writer.write_batch(batch)
 
@@ -136,20 +146,25 @@ class TokenStore:
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
-        meta = json.loads((self.folder / COMPLETE).read_text())
-        files = [self.folder / shard_name(i) for i in range(meta["shards"])]
+        self.meta = json.loads((self.folder / COMPLETE).read_text())  # also: stop_token_ids, tail_tokens
+        files = [self.folder / shard_name(i) for i in range(self.meta["shards"])]
         tables = [pa.ipc.open_file(pa.memory_map(str(f))).read_all() for f in files]
         self.table = pa.concat_tables(tables).combine_chunks() if tables else pa.table({}, schema=TOKENS)
-        ids = self.table.column("input_ids").chunk(0)
+        ids, tail = self.table.column("input_ids").chunk(0), self.table.column("tail").chunk(0)
         self._offsets = ids.offsets.to_numpy()  # [N + 1]: sequence i is values[offsets[i]:offsets[i+1]]
         self._values = ids.values.to_numpy()
+        self._tail_offsets, self._tail_values = tail.offsets.to_numpy(), tail.values.to_numpy()
         self.prompt_len = self.table.column("prompt_len").to_numpy()
+        self.max_tokens = self.table.column("max_tokens").to_numpy()
 
     def __len__(self) -> int:
         return self.table.num_rows
 
     def input_ids(self, i: int) -> np.ndarray:
         return self._values[self._offsets[i] : self._offsets[i + 1]]
+
+    def tail(self, i: int) -> np.ndarray:
+        return self._tail_values[self._tail_offsets[i] : self._tail_offsets[i + 1]]
 
     def lengths(self) -> np.ndarray:
         return np.diff(self._offsets)
@@ -218,15 +233,24 @@ class Sequences:
     def select(self, indices) -> Sequences:
         return Sequences(self.tokens, self.states, self.states_dir, [self.rows[i] for i in indices])
 
-    def item(self, i: int, with_states: bool = True, with_final: bool = False) -> dict:
-        """Sequence i as tensors: input_ids, prompt_len, index (its row in the stores), and (when stored and
-        asked for) its states."""
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """The stop ids the target's responses were generated with (an engine serving them must use the same)."""
+        return list(self.tokens.meta["stop_token_ids"])
+
+    def item(self, i: int, with_states: bool = True, with_final: bool = False, with_tail: bool = False) -> dict:
+        """Sequence i as tensors: input_ids, prompt_len, seq_len, index (its row in the stores), and (when stored
+        and asked for) its states. `with_tail`: input_ids continue past seq_len with the sequence's tail."""
         r = self.rows[i]
+        ids = self.tokens.input_ids(r)
         item = {
-            "input_ids": torch.from_numpy(self.tokens.input_ids(r).astype(np.int64)),
+            "input_ids": torch.from_numpy(ids.astype(np.int64)),
             "prompt_len": int(self.tokens.prompt_len[r]),
+            "seq_len": len(ids),
             "index": r,
         }
+        if with_tail:
+            item["input_ids"] = torch.from_numpy(np.concatenate([ids, self.tokens.tail(r)]).astype(np.int64))
         if with_states and self.states is not None:
             states = self.states.read(r)
             item["aux"], item["target_next"] = states["aux"], states["target_next"]

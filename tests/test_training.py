@@ -1,0 +1,146 @@
+"""Training's loss against a hand computation (label shift, prompt and padding masks, step weights), and the
+non-finite stops on eaglelab's own Lightning trainer."""
+
+import math
+
+import lightning as L
+import pytest
+import torch
+from test_drafter import small_config
+
+from eaglelab.batches import collate
+from eaglelab.config import TrainConfig
+from eaglelab.errors import TrainingError
+from eaglelab.trainer import make_trainer
+from eaglelab.training import DrafterModule
+
+from conftest import compose
+
+VOCAB, DRAFT_VOCAB, H_T = 50, 40, 48
+
+
+def loss_module(loss: str, step_decay: float) -> DrafterModule:
+    cfg = small_config(vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=H_T)
+    torch.manual_seed(0)
+    train = TrainConfig(loss=loss, step_decay=step_decay, ttt_steps=3)
+    module = DrafterModule(cfg, train, target_head=torch.randn(DRAFT_VOCAB, H_T))
+    # the last target id is in the draft vocabulary: collate pads labels with -1, which would index it
+    draft_ids = torch.cat([torch.sort(torch.randperm(VOCAB - 1)[: DRAFT_VOCAB - 1]).values, torch.tensor([VOCAB - 1])])
+    module.drafter.set_vocab(draft_ids)
+    return module.eval()
+
+
+def hand_batch():
+    """Two sequences of different lengths (the shorter one right-padded) and prompts of different lengths; the
+    target's greedy next token is the next token of the sequence, so every position's label differs."""
+    torch.manual_seed(1)
+    items = []
+    for index, (n, prompt) in enumerate([(12, 5), (9, 3)]):
+        ids = torch.randint(0, VOCAB, (n + 1,))
+        items.append(
+            {
+                "input_ids": ids[:n],
+                "prompt_len": prompt,
+                "index": index,
+                "target_next": ids[1:],
+                "aux": torch.randn(n, 3 * H_T),
+                "final": torch.randn(n, H_T),
+            }
+        )
+    return collate(items)
+
+
+def expected_losses(module: DrafterModule, batch, steps: int) -> list[float]:
+    """Per draft step j, by explicit loops: the mean over drafts an engine makes — from verified positions
+    t = P-1 .. n-j-2 of each sequence (never from the prompt, never past its end) — of CE on the target's greedy
+    token after t+j (draft vocabulary only) or KL(target over the draft vocab ‖ drafter)."""
+    d = module.drafter
+    with torch.no_grad():
+        outs = d.unroll(batch.aux, batch.input_ids, steps, first=batch.first)
+    draft_ids = d.draft_ids.tolist()
+    losses = []
+    for j in range(1, steps + 1):
+        terms = []
+        for b in range(batch.input_ids.shape[0]):
+            n, prompt = int(batch.seq_len[b]), int(batch.prompt_len[b])
+            for t in range(prompt - 1, n - j - 1):
+                logits = d.lm_head(outs[j - 1].normed[b, t]).double()
+                logp = logits - torch.logsumexp(logits, 0)
+                if module.train_cfg.loss == "ce":
+                    label = int(batch.target_next[b, t + j])
+                    if label in draft_ids:  # a token outside the draft vocabulary is not counted
+                        terms.append(-float(logp[draft_ids.index(label)]))
+                else:
+                    teacher = (module.target_head.double() @ batch.final[b, t + j].double()).softmax(0)
+                    terms.append(float((teacher * (teacher.log() - logp)).sum()))
+        losses.append(sum(terms) / len(terms))
+    return losses
+
+
+@pytest.mark.parametrize("loss", ["ce", "kl"])
+def test_ttt_loss_equals_a_hand_computation(loss):
+    module, batch = loss_module(loss, step_decay=0.5), hand_batch()
+    with torch.no_grad():
+        total, per_step, _, counted = module.ttt(batch, 3)
+    expected = expected_losses(module, batch, 3)
+    assert [float(x) for x in per_step] == pytest.approx(expected, rel=1e-5)
+    # step j weighs train.step_decay**(j-1): 1, 0.5, 0.25
+    assert float(total) == pytest.approx(sum(0.5 ** (j - 1) * e for j, e in enumerate(expected, start=1)), rel=1e-5)
+    # drafts per step: t = P-1 .. n-j-2 in each sequence, n-P-j of them
+    assert counted == [(12 - 5 - j) + (9 - 3 - j) for j in range(1, 4)]
+
+
+def test_ttt_loss_ignores_prompt_and_padding_positions():
+    """What sits at the prompt's positions (before P-1) and in the padding never reaches the loss."""
+    module, batch = loss_module("kl", step_decay=0.8), hand_batch()
+    with torch.no_grad():
+        before = float(module.ttt(batch, 3)[0])
+        # sequence 0 (P = 5): drafts start at t = P-1 = 4, so labels come from positions t+j >= 5
+        batch.final[0, :5] = 100 * torch.randn(5, H_T)
+        # sequence 1 (n = 9): draft j from t needs x_{t+j+1} in the sequence, so t+j <= 7; 9.. is padding
+        batch.final[1, 8:] = 100 * torch.randn(4, H_T)
+        assert float(module.ttt(batch, 3)[0]) == pytest.approx(before, rel=1e-6)
+        batch.final[0, 5] = 100 * torch.randn(H_T)  # the first label: draft 1 from t = P-1
+        assert float(module.ttt(batch, 3)[0]) != pytest.approx(before, rel=1e-3)
+
+
+# --- the non-finite stops, on the trainer eaglelab builds ------------------------------------------------
+class NonFiniteAtStep2(L.LightningModule):
+    """One weight; the first optimizer step is finite, the second makes a non-finite gradient (`gradient`: the
+    loss √(w²) at w = 0, itself finite) or non-finite weights (`weights`: a finite gradient × lr overflows)."""
+
+    def __init__(self, where: str):
+        super().__init__()
+        self.where = where
+        self.w = torch.nn.Parameter(torch.ones(1))
+
+    def training_step(self, batch, batch_idx):
+        if self.where == "gradient":
+            return torch.sqrt((self.w**2).sum() + 0.0 * batch.sum())  # step 1: w 1 -> 0; step 2: d√(w²)/dw = 0/0
+        scale = 1.0 if self.global_step == 0 else 1e30  # step 2: 1e30 · lr 1e9 overflows float32
+        return (self.w * scale).sum() + 0.0 * batch.sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1.0 if self.where == "gradient" else 1e9)
+
+
+@pytest.mark.parametrize("where", ["gradient", "weights"])
+def test_a_non_finite_gradient_or_weight_stops_the_real_trainer_and_last_ckpt_stays_finite(where, tmp_path):
+    """StopOnNonFinite in the Trainer `make_trainer` builds (precision, clipping off, checkpoint every step): the
+    second step fails with the error naming it, and lightning/last.ckpt holds the first step's finite weights."""
+    cfg = compose(
+        ["experiment=smoke", "train.checkpoint_every_n_steps=1", "train.grad_clip=0", "train.precision=32-true"],
+        tmp_path / "cache",
+        tmp_path / "run",
+    )
+    module = NonFiniteAtStep2(where)
+    data = torch.utils.data.DataLoader(torch.ones(4, 1), batch_size=1)
+    message = "non-finite gradient at step 1" if where == "gradient" else "non-finite weights after step 2"
+    with pytest.raises(TrainingError, match=f"{message}; lightning/last.ckpt keeps"):
+        make_trainer(cfg, tmp_path / "run", False).fit(module, data)
+    state = torch.load(tmp_path / "run" / "lightning" / "last.ckpt", weights_only=False)
+    assert state["global_step"] == 1 and math.isfinite(float(state["state_dict"]["w"]))
+    if where == "gradient":  # stopped before the optimizer step: the weight is step 1's
+        assert float(module.w) == 0.0
+    else:  # stopped after the step that broke the weights, before the checkpoint that would have kept them
+        assert not torch.isfinite(module.w).all()
