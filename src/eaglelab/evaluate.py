@@ -114,6 +114,11 @@ def counts_from(row: dict) -> AcceptanceCounts:
     )
 
 
+def prompt_ids(features) -> list[list[int]]:
+    """Each sequence's prompt ids: what an engine is sent to decode the stored response."""
+    return [list(map(int, ids[:p])) for ids, p in zip(features["input_ids"], features["prompt_len"])]
+
+
 def same_output_share(outputs: list[list[int]], features) -> float:
     """Share of prompts whose served greedy output is exactly the stored response the simulator scored."""
     responses = [list(map(int, ids[p:])) for ids, p in zip(features["input_ids"], features["prompt_len"])]
@@ -184,7 +189,7 @@ def evaluate_in_vllm(
 
     idx = evenly_spaced(len(features), num_prompts)
     subset = features.select(idx)
-    prompts = [list(map(int, ids[:p])) for ids, p in zip(subset["input_ids"], subset["prompt_len"])]
+    prompts = prompt_ids(subset)
     job = {
         "mode": "evaluate",
         "target": str(target_path),

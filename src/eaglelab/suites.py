@@ -33,6 +33,7 @@ from eaglelab.evaluate import (
     evenly_spaced,
     parity_metrics,
     parity_row,
+    prompt_ids,
     same_output_share,
 )
 from eaglelab.io import write_csv
@@ -130,10 +131,6 @@ def prepare_suites(cfg: RunConfig, target, eval_prompts: list, capture: CaptureS
     return out
 
 
-def _prompts(features) -> list[list[int]]:
-    return [list(map(int, ids[:p])) for ids, p in zip(features["input_ids"], features["prompt_len"])]
-
-
 def _rows(suite: str, groups: dict[str, object], drafter, cfg: RunConfig, vllm_rows: dict) -> tuple[list, list]:
     """τ per condition: simulated for every k <= max(suite ks), vLLM at the suite ks when measured.
     -> (the suite's table, its parity rows)."""
@@ -170,7 +167,9 @@ def _vllm_groups(inputs: SuiteInputs) -> dict:
     """The suites' prompt sets for one engine, each with its sequences' own budgets."""
     sets = {f"long_context/{n}": f for n, f in inputs.long_context.items()}
     sets.update({f"templates/{c}": f for c, f in inputs.templates.items()})
-    return {name: {"prompts": _prompts(f), "max_tokens": [int(b) for b in f["max_tokens"]]} for name, f in sets.items()}
+    return {
+        name: {"prompts": prompt_ids(f), "max_tokens": [int(b) for b in f["max_tokens"]]} for name, f in sets.items()
+    }
 
 
 def evaluate_suites(

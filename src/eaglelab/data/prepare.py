@@ -149,6 +149,7 @@ def prepare_features(
 
     # 2-3. Regeneration by the target and capture of its states, each cached under its own key. A shard whose
     # tokens and states are both missing is done in one pass (states from the forward that generated them).
+    stops = sorted(stop_ids(target))  # part of what determines the sequences, and stored with them
     regen_key = cache_key(
         v=CACHE_VERSION,
         target=target.fingerprint,
@@ -160,7 +161,7 @@ def prepare_features(
         shard_size=shard_size,
         backend=backend,
         tail_tokens=tail_tokens,
-        stop_token_ids=sorted(stop_ids(target)),
+        stop_token_ids=stops,
     )
     feat_key = cache_key(v=CACHE_VERSION, regen=regen_key, aux=list(aux_layer_ids), final=with_final)
     regen_dir, feat_dir = cache_dir / "regen" / regen_key, cache_dir / "features" / feat_key
@@ -185,7 +186,7 @@ def prepare_features(
                 workdir=cache_dir / "logs" / f"regen-{regen_key}", name=name, tail_tokens=tail_tokens,
             )  # fmt: skip
             meta = {"name": name, "target": target.fingerprint, "shards": len(shards)}
-            meta.update(stop_token_ids=sorted(stop_ids(target)), tail_tokens=tail_tokens)
+            meta.update(stop_token_ids=stops, tail_tokens=tail_tokens)
             mark_complete(regen_dir, meta)
         t_regen = time.perf_counter() - t0
         if states and not stats.capture_cached:
