@@ -232,3 +232,57 @@ def test_online_and_hybrid_features_train_like_cached(tmp_path):
             assert runs[kind][key] == pytest.approx(runs["hybrid"][key], rel=0.05), (kind, key)
     # Tokens only: int32 ids against bf16 states of 3 aux layers (H = 128): ~1% of the bytes.
     assert runs["online"]["data/disk_bytes_per_token"] < 0.02 * runs["cached"]["data/disk_bytes_per_token"]
+
+
+def test_the_tiny_targets_greedy_text_varies(cache_dir, tmp_path):
+    """What lets the tests tell drafters apart: the smoke target's greedy responses to the held-out prompts are
+    not one token repeated and not one response for every prompt (a random Llama's are: every drafter then makes
+    the same drafts). Its target.tiny.greedy_cycle=0 is that random Llama, kept as the counter-example."""
+    import torch
+
+    from eaglelab.data.templates import template_prompt
+    from eaglelab.pipeline import select_prompts
+    from eaglelab.targets import load_target
+
+    def responses(overrides):
+        cfg = compose(["experiment=smoke", *overrides], cache_dir, tmp_path)
+        target = load_target(cfg.target, cfg.paths.cache_dir)
+        out = []
+        for messages in select_prompts(cfg).held_out:
+            prompt = template_prompt(target.tokenizer, messages, None)
+            ids = target.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)
+            out.append(tuple(ids[0, len(prompt) :].tolist()))
+        return out
+
+    def distinct_share(rs):
+        return len({t for r in rs for t in r}) / sum(len(r) for r in rs)
+
+    smoke, random_llama = responses([]), responses(["target.tiny.greedy_cycle=0"])
+    print(f"distinct tokens: {distinct_share(smoke):.3f} (random Llama {distinct_share(random_llama):.3f})")
+    assert distinct_share(random_llama) < 0.05  # the degenerate substrate this replaces
+    assert distinct_share(smoke) > 0.2 and len(set(smoke)) >= 3
+    assert all(len(set(r)) > len(r) // 2 for r in smoke)  # no response loops on a few tokens
+
+
+def test_seeds_and_variants_give_different_drafters(smoke_runs, cache_dir, tmp_path):
+    """Two seeds of EAGLE-3.1 and EAGLE-3 at the first seed, on the smoke substrate: no two give identical
+    acceptance or validation metrics (on a degenerate target all three drafted the same tokens)."""
+    runs = {
+        "eagle3.1 seed 0": smoke_runs.a,
+        "eagle3.1 seed 1": run(compose(["experiment=smoke", "train.seed=1"], cache_dir, tmp_path / "seed1")),
+        "eagle3 seed 0": run(compose(["experiment=smoke", "+ablation=eagle3"], cache_dir, tmp_path / "eagle3")),
+    }
+    keys = ("acceptance_length@", "acceptance_rate@", "val/acc")
+    metrics = {
+        name: {k: v for k, v in json.loads((d / "metrics.json").read_text()).items() if k.startswith(keys)}
+        for name, d in runs.items()
+    }
+    for name, m in metrics.items():
+        print(name, {k: round(v, 4) for k, v in m.items() if k.startswith("acceptance_length@")})
+    names = list(metrics)
+    for i, x in enumerate(names):
+        assert metrics[x] and metrics[x].keys() == metrics[names[0]].keys()
+        for y in names[i + 1 :]:
+            differ = [k for k in metrics[x] if metrics[x][k] != metrics[y][k]]
+            # τ itself differs, not only some validation figure
+            assert any(k.startswith("acceptance_length@") for k in differ), f"{x} and {y}: identical τ"

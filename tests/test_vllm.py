@@ -109,9 +109,8 @@ NO_EXTRAS = ["eval.suites.extrapolation.enabled=false", "eval.suites.drift.enabl
 
 @pytest.fixture(scope="module")
 def leaning_run(cache_dir, tmp_path_factory):
-    """An EAGLE-3.1 drafter that uses its inputs: the smoke drafter (10 steps) predicts from the tokens alone, so
-    its τ is the same whatever aux ids or flags it is given and a fallback would go unseen; 30 steps (this seed)
-    make it lean on the aux states. Trained on non-default aux layers, evaluated by vLLM at k = K."""
+    """An EAGLE-3.1 drafter trained longer than the smoke one (30 steps, this seed), on non-default aux layers,
+    evaluated by vLLM at k = K."""
     trained = ["experiment=smoke", "train.epochs=6", "train.seed=1", f"drafter.aux_layer_ids={AUX}"]
     vllm = ["eval.vllm.enabled=true", f"eval.vllm.ks=[{K}]", "eval.vllm.throughput_ks=[]"]
     return run(compose([*trained, *vllm, *NO_EXTRAS], cache_dir, tmp_path_factory.mktemp("vllm") / "aux"))
@@ -121,8 +120,10 @@ def test_non_default_aux_layer_ids_draft_in_vllm(leaning_run, cache_dir, tmp_pat
     """A drafter trained on non-default aux layers: vLLM takes the ids from the exported config.json and
     reproduces the simulated counts. Had vLLM fallen back to its default ids (2, L//2, L-3), it would feed these
     weights the default layers' states: that is what the simulated evaluator measures when the same weights
-    are relabelled with the default ids, and the test requires that τ to be far from the trained one, so a
-    fallback cannot pass the parity check (docs/conventions.md#aux-layer-convention)."""
+    are relabelled with the default ids. The test requires that τ to differ from the trained one; parity on the
+    float32 tiny target is exact (identical counts at every depth), so a fallback cannot pass the parity check
+    (docs/conventions.md#aux-layer-convention). On the tiny target the difference is small (1.70 against 1.73
+    at k = 3): its next token depends on the current token alone, which the drafter also gets as an input."""
     aux, no_extras, run_dir = AUX, NO_EXTRAS, leaning_run
     exported = json.loads((run_dir / "drafter/config.json").read_text())
     assert exported["eagle_aux_hidden_state_layer_ids"] == exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
@@ -145,8 +146,8 @@ def test_non_default_aux_layer_ids_draft_in_vllm(leaning_run, cache_dir, tmp_pat
     (parity,) = read_csv(run_dir / "parity.csv")
     tau_sim, tau_vllm = float(parity["tau_simulated"]), float(parity["tau_vllm"])
     print(f"k={K}: tau_sim={tau_sim:.4f} tau_vllm={tau_vllm:.4f} tau_sim(default ids {default})={tau_default:.4f}")
-    # A fallback would put τ_vLLM at τ_default: more than 3x the parity tolerance away.
-    assert abs(tau_default - tau_sim) / tau_default > 0.1, f"aux ids barely matter to this drafter: {parity}"
+    # A fallback would put τ_vLLM at τ_default, which exact parity tells from τ_sim.
+    assert tau_default != tau_sim, f"aux ids do not matter to this drafter: {parity}"
     assert int(parity["drafts_vllm"]) > 0
     assert_same_counts(parity)
 
@@ -229,9 +230,7 @@ def evaluate_in_vllm_at(checkpoint, cache_dir, root, k=K):
     return row
 
 
-# norm_output is not flipped here: on the tiny target the drafter's later steps accept the same tokens whatever
-# state is fed back (the flipped drafter's counts were identical), so the test could not fail for its reason.
-@pytest.mark.parametrize("flag", ["fc_norm"])
+@pytest.mark.parametrize("flag", ["fc_norm", "norm_output"])
 def test_vllm_honours_each_eagle31_flag(leaning_run, cache_dir, tmp_path, flag):
     """The trained EAGLE-3.1 drafter with one flag switched off in its config.json (fc_norm: its per-layer norm
     weights dropped too, as an EAGLE-3 checkpoint has none): vLLM's τ changes, and equals the simulated

@@ -38,15 +38,21 @@ def _non_negative(owner: str, **values) -> None:
 
 @dataclass
 class TinyTargetConfig:
-    """A random-init Llama for tests (head_dim 64: vLLM's CPU attention needs it)."""
+    """The test and smoke target: a seeded Llama whose greedy text walks a token cycle (head_dim 64: vLLM's CPU
+    attention needs it)."""
 
     hidden_size: int = 128
     num_layers: int = 8
     num_heads: int = 2
     num_kv_heads: int = 1
     intermediate_size: int = 256
+    # Its greedy text walks a cycle of this many tokens, entered where the prompt leads (0: a plain random Llama,
+    # whose greedy text repeats one token, so every drafter makes the same drafts).
+    greedy_cycle: int = 512
 
     def __post_init__(self):
+        if self.greedy_cycle < 0 or self.greedy_cycle == 1:
+            raise ConfigError(f"target.tiny.greedy_cycle must be 0 (off) or >= 2, got {self.greedy_cycle}")
         _positive(
             "target.tiny",
             hidden_size=self.hidden_size,

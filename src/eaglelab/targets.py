@@ -141,8 +141,43 @@ def _smollm2_folder(cache_dir: Path) -> tuple[Path, str]:
     return out, f"smollm2:{digest}"
 
 
+# The tiny target's blocks write this share of their random-init output into the residual stream, at hidden size
+# 128 (it scales as 1/hidden_size, as a random block's output does against an embedding row): little enough that
+# the token's own embedding decides the next token, enough that attention to the prompt moves where the greedy
+# text enters its cycle (0.45: 99-100 % of steps follow the cycle, 32 prompts enter it at 4-8 places).
+TINY_BLOCK_SCALE = 0.45
+# Its cycle is drawn from these ids: whole words and word pieces of the SmolLM2 vocabulary, no special tokens.
+TINY_CYCLE_IDS = range(1000, 20000)
+
+
+def _walk_a_cycle(model, cycle: int, stop_id: int, generator: torch.Generator) -> None:
+    """Make a random Llama's greedy text walk a cycle c_0 -> c_1 -> ... -> c_{n-1} -> c_0 of `cycle` tokens.
+
+    A random Llama's greedy text is one token repeated, so every drafter makes the same drafts and no test can
+    tell two drafters apart. Here lm_head (untied) scores token c_{i+1} by the final state's alignment with
+    c_i's embedding, and the blocks are scaled down so that the final state stays close to the current token's
+    embedding: the next token is mostly the current one's successor, and the prompt, through attention, picks
+    where a response enters the cycle. The stop token is one of the cycle's tokens, so some responses end early.
+    """
+    ids = torch.tensor(TINY_CYCLE_IDS)
+    order = ids[torch.randperm(len(ids), generator=generator)[: cycle - 1]]
+    order = torch.cat([order, torch.tensor([stop_id])])  # [n] c_0 .. c_{n-1}
+    with torch.no_grad():
+        scale = TINY_BLOCK_SCALE * 128 / model.config.hidden_size
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(scale)
+            layer.mlp.down_proj.weight.mul_(scale)
+        embed = model.model.embed_tokens.weight  # [V, H]
+        if not embed[stop_id].any():  # the stop id is also the pad id, whose row Llama's init leaves at zero
+            embed[stop_id] = torch.randn(embed.shape[1], generator=generator) * model.config.initializer_range
+        head = torch.zeros_like(model.lm_head.weight)  # [V, H]: tokens off the cycle score 0
+        head[order.roll(-1)] = embed[order] / embed[order].norm(dim=1, keepdim=True)  # row c_{i+1} = unit(e_{c_i})
+        model.lm_head.weight.copy_(head)
+
+
 def _tiny_folder(cfg: TargetConfig, cache_dir: Path) -> tuple[Path, str]:
-    """A seeded random Llama with the SmolLM2 tokenizer (a real chat template); deterministic."""
+    """A seeded random Llama with the SmolLM2 tokenizer (a real chat template); deterministic. With
+    target.tiny.greedy_cycle > 0 (the default) its greedy text walks a cycle of that many tokens."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     t = cfg.tiny
@@ -153,9 +188,12 @@ def _tiny_folder(cfg: TargetConfig, cache_dir: Path) -> tuple[Path, str]:
         heads=t.num_heads,
         kv=t.num_kv_heads,
         inter=t.intermediate_size,
+        **({"cycle": t.greedy_cycle, "block_scale": TINY_BLOCK_SCALE} if t.greedy_cycle else {}),
     )
     if t.hidden_size % t.num_heads or t.num_heads % t.num_kv_heads:
         raise TargetError("target.tiny: hidden_size must divide by num_heads and num_heads by num_kv_heads")
+    if t.greedy_cycle > len(TINY_CYCLE_IDS) + 1:
+        raise TargetError(f"target.tiny.greedy_cycle must be <= {len(TINY_CYCLE_IDS) + 1}, got {t.greedy_cycle}")
     gguf = smollm2_gguf_path()
     digest = hashlib.sha256((json.dumps(spec, sort_keys=True) + _sha256(gguf)).encode()).hexdigest()[:16]
     out = cache_dir / "targets" / f"tiny-{digest}"
@@ -171,7 +209,7 @@ def _tiny_folder(cfg: TargetConfig, cache_dir: Path) -> tuple[Path, str]:
             head_dim=t.hidden_size // t.num_heads,
             max_position_embeddings=8192,
             rms_norm_eps=1e-5,
-            tie_word_embeddings=True,
+            tie_word_embeddings=not t.greedy_cycle,
             bos_token_id=tok.bos_token_id,
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
@@ -179,6 +217,8 @@ def _tiny_folder(cfg: TargetConfig, cache_dir: Path) -> tuple[Path, str]:
         with torch.random.fork_rng():  # the caller's random state is not touched
             torch.manual_seed(cfg.seed)
             model = LlamaForCausalLM(config)
+            if t.greedy_cycle:
+                _walk_a_cycle(model, t.greedy_cycle, tok.eos_token_id, torch.Generator().manual_seed(cfg.seed))
         with atomic_dir(out) as tmp:
             model.save_pretrained(tmp)
             tok.save_pretrained(tmp)
