@@ -51,7 +51,7 @@ def cache_entries(cache: Path) -> set[Path]:
         (["train.grad_clip=-1"], "train.grad_clip must be >= 0"),
         (["train.max_steps=0"], "train.max_steps must be -1 (no limit) or > 0"),
         (["experiment=smoke", "target.tiny.hidden_size=0"], "target.tiny.hidden_size must be > 0"),
-        (["experiment=smoke", "target.tiny.greedy_cycle=1"], "target.tiny.greedy_cycle must be 0 (off) or >= 2"),
+        (["experiment=smoke", "target.tiny.alphabet=1"], "target.tiny.alphabet must be 0 (off) or >= 2"),
     ],
 )
 def test_a_setting_out_of_range_names_itself_and_the_fix(overrides, message, tmp_path):

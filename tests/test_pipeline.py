@@ -237,7 +237,7 @@ def test_online_and_hybrid_features_train_like_cached(tmp_path):
 def test_the_tiny_targets_greedy_text_varies(cache_dir, tmp_path):
     """What lets the tests tell drafters apart: the smoke target's greedy responses to the held-out prompts are
     not one token repeated and not one response for every prompt (a random Llama's are: every drafter then makes
-    the same drafts). Its target.tiny.greedy_cycle=0 is that random Llama, kept as the counter-example."""
+    the same drafts). Its target.tiny.alphabet=0 is that random Llama, kept as the counter-example."""
     import torch
 
     from eaglelab.data.templates import template_prompt
@@ -257,10 +257,10 @@ def test_the_tiny_targets_greedy_text_varies(cache_dir, tmp_path):
     def distinct_share(rs):
         return len({t for r in rs for t in r}) / sum(len(r) for r in rs)
 
-    smoke, random_llama = responses([]), responses(["target.tiny.greedy_cycle=0"])
+    smoke, random_llama = responses([]), responses(["target.tiny.alphabet=0"])
     print(f"distinct tokens: {distinct_share(smoke):.3f} (random Llama {distinct_share(random_llama):.3f})")
     assert distinct_share(random_llama) < 0.05  # the degenerate substrate this replaces
-    assert distinct_share(smoke) > 0.2 and len(set(smoke)) >= 3
+    assert distinct_share(smoke) > 0.15 and len(set(smoke)) >= 3
     assert all(len(set(r)) > len(r) // 2 for r in smoke)  # no response loops on a few tokens
 
 

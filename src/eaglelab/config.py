@@ -38,7 +38,7 @@ def _non_negative(owner: str, **values) -> None:
 
 @dataclass
 class TinyTargetConfig:
-    """The test and smoke target: a seeded Llama whose greedy text walks a token cycle (head_dim 64: vLLM's CPU
+    """The test and smoke target: a seeded Llama whose greedy text is a token chain (head_dim 64: vLLM's CPU
     attention needs it)."""
 
     hidden_size: int = 128
@@ -46,13 +46,16 @@ class TinyTargetConfig:
     num_heads: int = 2
     num_kv_heads: int = 1
     intermediate_size: int = 256
-    # Its greedy text walks a cycle of this many tokens, entered where the prompt leads (0: a plain random Llama,
-    # whose greedy text repeats one token, so every drafter makes the same drafts).
-    greedy_cycle: int = 512
+    # Its greedy text is a second-order chain over this many tokens, x_{t+1} = F(x_{t-1}, x_t), so a drafter needs
+    # the target's states (0: a plain random Llama, whose greedy text repeats one token, so every drafter makes
+    # the same drafts). Needs num_heads >= 2 (a previous-token head and a context head) and head_dim 64.
+    alphabet: int = 512
 
     def __post_init__(self):
-        if self.greedy_cycle < 0 or self.greedy_cycle == 1:
-            raise ConfigError(f"target.tiny.greedy_cycle must be 0 (off) or >= 2, got {self.greedy_cycle}")
+        if self.alphabet < 0 or self.alphabet == 1:
+            raise ConfigError(f"target.tiny.alphabet must be 0 (off) or >= 2, got {self.alphabet}")
+        if self.alphabet and self.num_heads < 2:
+            raise ConfigError("target.tiny.alphabet needs target.tiny.num_heads >= 2; or set target.tiny.alphabet=0")
         _positive(
             "target.tiny",
             hidden_size=self.hidden_size,

@@ -141,43 +141,81 @@ def _smollm2_folder(cache_dir: Path) -> tuple[Path, str]:
     return out, f"smollm2:{digest}"
 
 
-# The tiny target's blocks write this share of their random-init output into the residual stream, at hidden size
-# 128 (it scales as 1/hidden_size, as a random block's output does against an embedding row): little enough that
-# the token's own embedding decides the next token, enough that attention to the prompt moves where the greedy
-# text enters its cycle (0.45: 99-100 % of steps follow the cycle, 32 prompts enter it at 4-8 places).
-TINY_BLOCK_SCALE = 0.45
-# Its cycle is drawn from these ids: whole words and word pieces of the SmolLM2 vocabulary, no special tokens.
-TINY_CYCLE_IDS = range(1000, 20000)
+# The tiny target's random blocks write this share of their init output into the residual stream, at hidden size
+# 128 (it scales as 1/hidden_size, as a random block's output does against an embedding row): enough that the
+# states differ from layer to layer (~10 % a layer), too little to break the chain the designed parts speak.
+TINY_BLOCK_SCALE = 0.2
+# Attention to the whole context (head 1 of layer 0) nudges the current token's half by this share: enough that
+# prompts start their responses at different places, too little to change a step inside the alphabet.
+TINY_CONTEXT_GAIN = 0.3
+# The previous-token head's score at offset 1 (after RoPE and 1/sqrt(head_dim)), over its first 6 RoPE frequencies:
+# 200 puts ~all its attention there (offsets 0 and 2 score ~165).
+TINY_PREVIOUS_TOKEN_SCORE, TINY_ROPE_PAIRS = 200.0, 6
+# Its alphabet is drawn from these ids: whole words and word pieces of the SmolLM2 vocabulary, no special tokens.
+TINY_ALPHABET_IDS = range(1000, 20000)
 
 
-def _walk_a_cycle(model, cycle: int, stop_id: int, generator: torch.Generator) -> None:
-    """Make a random Llama's greedy text walk a cycle c_0 -> c_1 -> ... -> c_{n-1} -> c_0 of `cycle` tokens.
+def _speak_a_token_chain(model, alphabet: int, stop_id: int, generator: torch.Generator) -> None:
+    """Make a random Llama's greedy text a second-order chain over `alphabet` tokens: x_{t+1} = F(x_{t-1}, x_t).
 
     A random Llama's greedy text is one token repeated, so every drafter makes the same drafts and no test can
-    tell two drafters apart. Here lm_head (untied) scores token c_{i+1} by the final state's alignment with
-    c_i's embedding, and the blocks are scaled down so that the final state stays close to the current token's
-    embedding: the next token is mostly the current one's successor, and the prompt, through attention, picks
-    where a response enters the cycle. The stop token is one of the cycle's tokens, so some responses end early.
+    tell two drafters apart. Here the residual stream [H] is split in halves: dim 0 a constant, dims 1..H/2-1 the
+    current token (its embedding), the second half the previous token (copied there by a previous-token head).
+    lm_head (untied) scores π(x_t) from the first half and σ(x_{t-1}) from the second, each weighted by a random
+    per-token factor, so which one wins depends on both tokens (π, σ: random maps of the alphabet onto itself).
+    A drafter predicting x_{t+2} from x_{t+1}'s embedding must read x_t from the target's states, and its deeper
+    steps must carry it in their own: the drafter's inputs all matter. The stop token is in the alphabet.
     """
-    ids = torch.tensor(TINY_CYCLE_IDS)
-    order = ids[torch.randperm(len(ids), generator=generator)[: cycle - 1]]
-    order = torch.cat([order, torch.tensor([stop_id])])  # [n] c_0 .. c_{n-1}
+    cfg = model.config
+    H, dh = cfg.hidden_size, cfg.head_dim
+    half, copied = H // 2, min(H // 2 - 1, dh)  # the previous token: `copied` dims of its half
+    ids = torch.tensor(TINY_ALPHABET_IDS)
+    letters = torch.cat([ids[torch.randperm(len(ids), generator=generator)[: alphabet - 1]], torch.tensor([stop_id])])
+    pi = letters.roll(-1)  # π(letters[i]) = pi[i]: the current token's successor
+    sigma = letters[torch.randperm(alphabet, generator=generator)]  # σ(letters[i]) = sigma[i]: the previous one's
     with torch.no_grad():
-        scale = TINY_BLOCK_SCALE * 128 / model.config.hidden_size
+        scale = TINY_BLOCK_SCALE * 128 / H
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.mul_(scale)
             layer.mlp.down_proj.weight.mul_(scale)
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.weight[:, 0] = 0  # random blocks do not read the constant
+            layer.mlp.gate_proj.weight[:, 0] = layer.mlp.up_proj.weight[:, 0] = 0
+
         embed = model.model.embed_tokens.weight  # [V, H]
-        if not embed[stop_id].any():  # the stop id is also the pad id, whose row Llama's init leaves at zero
-            embed[stop_id] = torch.randn(embed.shape[1], generator=generator) * model.config.initializer_range
-        head = torch.zeros_like(model.lm_head.weight)  # [V, H]: tokens off the cycle score 0
-        head[order.roll(-1)] = embed[order] / embed[order].norm(dim=1, keepdim=True)  # row c_{i+1} = unit(e_{c_i})
+        embed[:, 1:half] = torch.randn(embed.shape[0], half - 1, generator=generator) * cfg.initializer_range
+        embed[:, half:] = 0  # the previous token's half starts empty
+        token_norm = embed[:, 1:half].norm(dim=1).median()
+        embed[:, 0] = token_norm  # the constant: lets the previous-token head's q and k be constant
+        rms = (embed.pow(2).sum(1) / H).sqrt().median()
+        constant = token_norm / rms  # dim 0 after the first RMSNorm
+
+        # Layer 0, head 0 attends to the previous token: constant q and k whose RoPE pairs all peak at offset 1.
+        attn = model.model.layers[0].self_attn
+        q, k, v, o = attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight
+        q[: 2 * dh] = 0  # head 0 as designed; head 1 with q = 0 attends to the whole context evenly
+        k[:dh], v[:dh], o[:, : 2 * dh] = 0, 0, 0
+        theta = model.model.rotary_emb.inv_freq.float()  # [dh/2] RoPE frequencies
+        amp = (TINY_PREVIOUS_TOKEN_SCORE * dh**0.5 / TINY_ROPE_PAIRS) ** 0.5
+        for i in range(TINY_ROPE_PAIRS):  # q pair i = amp·(1, 0), k pair i = amp·(cos θ_i, sin θ_i)
+            q[i, 0] = amp / constant
+            k[i, 0], k[i + dh // 2, 0] = amp * torch.cos(theta[i]) / constant, amp * torch.sin(theta[i]) / constant
+        for c in range(copied):
+            v[c, 1 + c] = 1.0  # v = the token's half, normalised
+            o[half + c, c] = rms  # head 0 writes the previous token into the second half
+            o[1 + c, dh + c] = rms * TINY_CONTEXT_GAIN  # head 1 adds the context's mean token to the first half
+
+        unit = embed[:, 1:half] / embed[:, 1:half].norm(dim=1, keepdim=True)  # [V, H/2-1]
+        weight = 0.5 + torch.rand(2, embed.shape[0], generator=generator)  # [2, V] per-token factors
+        head = torch.zeros_like(model.lm_head.weight)  # [V, H]: tokens outside the alphabet score ~0
+        head[pi, 1:half] += weight[0, pi, None] * unit[letters]
+        head[sigma, half : half + copied] += weight[1, sigma, None] * unit[letters][:, :copied]
         model.lm_head.weight.copy_(head)
 
 
 def _tiny_folder(cfg: TargetConfig, cache_dir: Path) -> tuple[Path, str]:
-    """A seeded random Llama with the SmolLM2 tokenizer (a real chat template); deterministic. With
-    target.tiny.greedy_cycle > 0 (the default) its greedy text walks a cycle of that many tokens."""
+    """A seeded Llama with the SmolLM2 tokenizer (a real chat template); deterministic. With target.tiny.alphabet
+    > 0 (the default) its greedy text is a second-order chain over that many tokens, else it is a random Llama."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     t = cfg.tiny
@@ -188,12 +226,12 @@ def _tiny_folder(cfg: TargetConfig, cache_dir: Path) -> tuple[Path, str]:
         heads=t.num_heads,
         kv=t.num_kv_heads,
         inter=t.intermediate_size,
-        **({"cycle": t.greedy_cycle, "block_scale": TINY_BLOCK_SCALE} if t.greedy_cycle else {}),
+        **({"alphabet": t.alphabet, "chain": "second-order-1"} if t.alphabet else {}),
     )
     if t.hidden_size % t.num_heads or t.num_heads % t.num_kv_heads:
         raise TargetError("target.tiny: hidden_size must divide by num_heads and num_heads by num_kv_heads")
-    if t.greedy_cycle > len(TINY_CYCLE_IDS) + 1:
-        raise TargetError(f"target.tiny.greedy_cycle must be <= {len(TINY_CYCLE_IDS) + 1}, got {t.greedy_cycle}")
+    if t.alphabet > len(TINY_ALPHABET_IDS) + 1:
+        raise TargetError(f"target.tiny.alphabet must be <= {len(TINY_ALPHABET_IDS) + 1}, got {t.alphabet}")
     gguf = smollm2_gguf_path()
     digest = hashlib.sha256((json.dumps(spec, sort_keys=True) + _sha256(gguf)).encode()).hexdigest()[:16]
     out = cache_dir / "targets" / f"tiny-{digest}"
@@ -209,7 +247,7 @@ def _tiny_folder(cfg: TargetConfig, cache_dir: Path) -> tuple[Path, str]:
             head_dim=t.hidden_size // t.num_heads,
             max_position_embeddings=8192,
             rms_norm_eps=1e-5,
-            tie_word_embeddings=not t.greedy_cycle,
+            tie_word_embeddings=not t.alphabet,
             bos_token_id=tok.bos_token_id,
             eos_token_id=tok.eos_token_id,
             pad_token_id=tok.pad_token_id,
@@ -217,8 +255,8 @@ def _tiny_folder(cfg: TargetConfig, cache_dir: Path) -> tuple[Path, str]:
         with torch.random.fork_rng():  # the caller's random state is not touched
             torch.manual_seed(cfg.seed)
             model = LlamaForCausalLM(config)
-            if t.greedy_cycle:
-                _walk_a_cycle(model, t.greedy_cycle, tok.eos_token_id, torch.Generator().manual_seed(cfg.seed))
+            if t.alphabet:
+                _speak_a_token_chain(model, t.alphabet, tok.eos_token_id, torch.Generator().manual_seed(cfg.seed))
         with atomic_dir(out) as tmp:
             model.save_pretrained(tmp)
             tok.save_pretrained(tmp)
