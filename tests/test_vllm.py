@@ -209,8 +209,9 @@ def test_evaluate_a_checkpoint_on_its_own(evaluated_run, cache_dir, tmp_path):
     exact = 0
     for row in parity.values():
         # Suite groups: within one drafting round. Measured: exact in every group but templates/no_template, where
-        # vLLM counts 206 rounds and 46 accepted drafts against the simulator's 207 and 45, with identical outputs,
-        # in one prompt, batched or alone (docs/conventions.md#measuring-acceptance).
+        # vLLM counts 206 rounds and 46 accepted drafts against the simulator's 207 and 45, with identical outputs:
+        # one first-step draft with a top-2 logit margin of 5e-4 resolves the other way in vLLM's float32 kernels
+        # (docs/conventions.md#measuring-acceptance).
         assert float(row["same_output_share"]) == 1.0, row
         assert abs(int(row["drafts_simulated"]) - int(row["drafts_vllm"])) <= 1, row
         assert abs(int(row["accepted_simulated"]) - int(row["accepted_vllm"])) <= 1, row
