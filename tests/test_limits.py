@@ -50,6 +50,7 @@ def cache_entries(cache: Path) -> set[Path]:
         (["train.weight_decay=-0.1"], "train.weight_decay must be >= 0"),
         (["train.grad_clip=-1"], "train.grad_clip must be >= 0"),
         (["train.max_steps=0"], "train.max_steps must be -1 (no limit) or > 0"),
+        (["train.lr=1e39"], "train.lr must be below 3.4e+38 (the float32 range), got 1e+39"),
         (["experiment=smoke", "target.tiny.hidden_size=0"], "target.tiny.hidden_size must be > 0"),
         (["experiment=smoke", "target.tiny.alphabet=1"], "target.tiny.alphabet must be 0 (off) or >= 2"),
     ],

@@ -23,6 +23,8 @@ from eaglelab.drafter import DrafterFlags, check_aux_layer_ids
 from eaglelab.errors import ConfigError, first_line
 from eaglelab.variants import VARIANTS, ablation_name
 
+FLOAT32_MAX = 3.4028234663852886e38
+
 
 def _positive(owner: str, **values) -> None:
     for key, value in values.items():
@@ -169,6 +171,8 @@ class TrainConfig:
     checkpoint_every_n_steps: int = 50  # the resume point after a preemption (lightning/last.ckpt)
 
     def __post_init__(self):
+        if not self.lr < FLOAT32_MAX:  # Adam keeps lr as a float32 scalar: beyond this it fails inside the step
+            raise ConfigError(f"train.lr must be below {FLOAT32_MAX:.3g} (the float32 range), got {self.lr}")
         _positive(
             "train",
             ttt_steps=self.ttt_steps,
