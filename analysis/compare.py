@@ -17,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-from analysis.store import Run, load_or_exit, mean_ci, setups
+from analysis.store import Run, add_seed_stats, load_or_exit, setups
 
 
 def _keyed(metrics: dict, pattern: str) -> dict[str, float]:
@@ -90,11 +90,7 @@ def comparison(runs: list[Run], reference: str = "eagle3") -> list[dict]:
             "seeds": len(members),
             "seed_list": " ".join(str(r.seed) for r in members),
         }
-        per_run = [measures(r) for r in members]
-        for key in COLUMNS:
-            mean, ci, se, n = mean_ci([p[key] for p in per_run])
-            row.update({key: mean, f"{key}_ci95": ci, f"{key}_se": se, f"{key}_n": n})
-        rows.append(row)
+        rows.append(add_seed_stats(row, [measures(r) for r in members], COLUMNS))
     for row in rows:  # the reference setup: same label once the variant is swapped
         twin = next(
             (

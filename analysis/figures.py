@@ -1,9 +1,11 @@
-"""The paper's figures from a results store: every setup's seeds aggregated, mean ± standard error as error bars.
+"""The paper's figures from a results store: every setup's seeds aggregated, mean ± standard error as error bars
+(data_scaling: ± 95% CI, as its table).
 
     python analysis/figures.py results/ [more roots] [--out DIR]
 
-One colour per setup (Okabe-Ito, colour-blind safe), the same in every figure; each figure as PNG (to look
-at) and PDF (for the paper). A figure whose suite no run measured is not drawn (and not listed).
+One colour per setup (Okabe-Ito, colour-blind safe), the same in every figure (data_scaling: one per setup without
+its data size); each figure as PNG (to look at) and PDF (for the paper). A figure whose suite no run measured is not
+drawn (and not listed), nor data_scaling when no setup was trained at two data sizes.
 Simulated evaluator throughout (exact for greedy chain drafting, all held-out prompts); vLLM numbers are in
 the comparison table and the per-run speedup figure.
 """
@@ -11,11 +13,13 @@ the comparison table and the per-run speedup figure.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
 import pandas as pd
 
+from analysis.scaling import DEEP_K, scaling_rows
 from analysis.store import Run, aggregate, load_or_exit, setups
 from eaglelab.plots import PALETTE, plt, save_figure  # the runs' own palette and PNG+PDF saving
 
@@ -258,7 +262,56 @@ def fig_speedup(groups, colors, out: Path) -> Path | None:
     return save_figure(fig, out / "speedup.png")
 
 
-FIGURES = [fig_tau_vs_k, fig_extrapolation, fig_long_context, fig_templates, fig_drift, fig_fc_balance, fig_speedup]
+def _tokens(n: float) -> str:
+    return f"{n / 1000:.3g}k" if n >= 1000 else f"{n:.0f}"
+
+
+def fig_data_scaling(groups, colors, out: Path) -> Path | None:
+    """τ at k = ttt_steps and at k = 8 against the training response tokens: one line per setup without its data
+    size (analysis.scaling), each point mean ± 95% CI over seeds, as its table. Drawn when a line has two sizes."""
+    rows = scaling_rows([r for members in groups.values() for r in members])
+    if not rows:
+        return None
+    lines = list(dict.fromkeys(row["line"] for row in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True, constrained_layout=True)
+    panels = [("tau", "τ at k = ttt_steps"), ("tau_deep", f"τ at k = {DEEP_K}")]
+    for ax, (key, title) in zip(axes, panels):
+        for i, line in enumerate(lines):
+            points = [row for row in rows if row["line"] == line]
+            shift = 1 + (i - (len(lines) - 1) / 2) * 0.02  # dodged a little, so that error bars stay apart
+            seeds = sorted({row["seeds"] for row in points})
+            n = str(seeds[0]) if len(seeds) == 1 else f"{seeds[0]}–{seeds[-1]}"
+            ax.errorbar(
+                [row["response_tokens"] * shift for row in points],
+                [row[key] for row in points],
+                yerr=[0.0 if math.isnan(row[f"{key}_ci95"]) else row[f"{key}_ci95"] for row in points],  # 1 seed
+                fmt=f"{MARKERS[i // len(PALETTE) % len(MARKERS)]}-",
+                color=PALETTE[i % len(PALETTE)],
+                label=f"{line} (n={n})",
+                **ERR,
+            )
+        ticks = sorted({(row["response_tokens"], row["num_prompts"]) for row in rows})
+        ax.set(xscale="log", xlabel="training response tokens (prompts)", title=title)
+        ax.set_xticks([t for t, _ in ticks], [f"{_tokens(t)}\n({prompts})" for t, prompts in ticks])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+    axes[0].set(ylabel="acceptance length τ")
+    axes[0].set_ylim(bottom=1.0)  # τ ≥ 1 by definition: a wide CI (two seeds) reaching below says nothing more
+    axes[0].legend(frameon=False)
+    fig.suptitle("τ vs training data (mean ± 95% CI over seeds, simulated evaluator)", fontsize=9)
+    return save_figure(fig, out / "data_scaling.png")
+
+
+FIGURES = [
+    fig_tau_vs_k,
+    fig_extrapolation,
+    fig_long_context,
+    fig_templates,
+    fig_drift,
+    fig_fc_balance,
+    fig_speedup,
+    fig_data_scaling,
+]
 
 
 def draw_all(runs: list[Run], out: Path) -> list[Path]:

@@ -3,6 +3,8 @@
 A *setup* is everything a run's config.yaml says except its seed (and where it was written): the runs of
 one setup are the seeds of one experiment, which the tables and figures aggregate (mean ± 95% CI or ± SE).
 A setup is labelled by its variant plus whatever else differs between the setups found (`eagle3 ttt_steps=2`).
+Runs that differ only in the training data size (data.num_prompts) are distinct setups; `data_sizes` regroups
+them into one *line* per setup-without-its-size for the data-scaling figure and table.
 Reads only what docs/results_layout.md lists; a directory that is not a readable finished run is named
 (with the reason) and skipped, never half-used.
 """
@@ -23,6 +25,8 @@ from eaglelab.variants import VARIANT_FLAGS
 
 # Config keys that do not change what was measured (where results went, how they were logged).
 NOT_SETUP = ("train.seed", "run_dir", "paths.", "logger.", "checkpoint", "hydra.", "objective")
+# The data-scaling axis (sweeps/data_scaling.yaml): a setup's label without it is one line of the scaling figure.
+DATA_SIZE = "data.num_prompts"
 # The flags a variant fixes (eaglelab.variants): implied by the variant's name, not shown in labels.
 ABLATION_FLAGS = tuple(f"drafter.{flag}" for flag in VARIANT_FLAGS)
 RESULT_TABLES = [
@@ -51,6 +55,7 @@ class Run:
     metrics: dict
     tables: dict[str, pd.DataFrame] = field(default_factory=dict)  # "acceptance", "suites/drift", ...
     setup: str = ""  # label, set by `load`
+    line: str = ""  # the setup's label without its data size (DATA_SIZE), set by `load`
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -157,8 +162,9 @@ def load(roots: list[Path], warn=lambda msg: print(msg, file=sys.stderr), duplic
     last = [k.split(".")[-1] for k in differing]
     names = {k: (k.split(".")[-1] if last.count(k.split(".")[-1]) == 1 else k) for k in differing}
     for r in runs:
-        extras = " ".join(f"{names[k]}={_short(r.config.get(k))}" for k in differing)
-        r.setup = f"{r.variant} {extras}".strip()
+        extras = {k: f"{names[k]}={_short(r.config.get(k))}" for k in differing}
+        r.setup = " ".join([r.variant, *extras.values()])
+        r.line = " ".join([r.variant, *(token for k, token in extras.items() if k != DATA_SIZE)])
     # One run per setup and seed: a re-evaluation (checkpoint=RUN) or a repeated launch is not another seed.
     kept: dict[tuple[str, int], Run] = {}
     for r in sorted(runs, key=_finished):
@@ -192,6 +198,17 @@ def setups(runs: list[Run]) -> dict[str, list[Run]]:
     return out
 
 
+def data_sizes(runs: list[Run]) -> dict[str, dict[int, list[Run]]]:
+    """line (setup label without its data size) -> data.num_prompts -> its runs (seeds), sizes ascending, lines in
+    `setups` order. Only runs that trained here: an evaluation-only run (checkpoint=...) has no training data."""
+    out: dict[str, dict[int, list[Run]]] = {}
+    for members in setups(runs).values():
+        for r in members:
+            if "data/response_tokens" in r.metrics:
+                out.setdefault(r.line, {}).setdefault(int(r.config[DATA_SIZE]), []).append(r)
+    return {line: dict(sorted(sizes.items())) for line, sizes in out.items()}
+
+
 def mean_ci(values: list[float], level: float = 0.95) -> tuple[float, float, float, int]:
     """(mean, half-width of the Student-t confidence interval, standard error, n) over seeds; NaNs dropped."""
     xs = [float(v) for v in values if v is not None and not math.isnan(float(v))]
@@ -203,6 +220,14 @@ def mean_ci(values: list[float], level: float = 0.95) -> tuple[float, float, flo
         return mean, math.nan, math.nan, 1
     se = stats.sem(xs)
     return mean, float(se * stats.t.ppf((1 + level) / 2, n - 1)), float(se), n
+
+
+def add_seed_stats(row: dict, per_run: list[dict], keys) -> dict:
+    """`row` with each key's mean, 95% CI half-width, standard error and n over the runs' values (`per_run`)."""
+    for key in keys:
+        mean, ci, se, n = mean_ci([p[key] for p in per_run])
+        row.update({key: mean, f"{key}_ci95": ci, f"{key}_se": se, f"{key}_n": n})
+    return row
 
 
 def aggregate(frames: list[pd.DataFrame], by: list[str], value: str) -> pd.DataFrame:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 from analysis.compare import COLUMNS, cell, comparison, markdown, shown_columns, write
 from analysis.figures import draw_all, seed_frames
+from analysis.scaling import DEEP_K, MEASURES, scaling_rows
+from analysis.scaling import write as write_scaling
 from analysis.store import Run, StoreError, load, mean_ci, setups
 
 PAPER = Path(__file__).resolve().parent
@@ -92,6 +94,22 @@ def condition_table(runs: list[Run], table: str, column: str, label: str) -> tup
     return "\n".join([*tex, r"\bottomrule", r"\end{tabular}"]) + "\n", "\n".join(md) + "\n"
 
 
+def scaling_table(rows: list[dict]) -> str:
+    """The data-scaling table (analysis/scaling.py) as booktabs: one row per setup and data size."""
+    head = ["variant", "prompts", "response tokens", "$n$", *(tex for _, tex, _ in MEASURES.values())]
+    lines = [r"\begin{tabular}{lrrr" + "r" * len(MEASURES) + "}", r"\toprule", " & ".join(head) + r" \\", r"\midrule"]
+    previous = None
+    for r in rows:
+        if previous is not None and r["line"] != previous:
+            lines.append(r"\addlinespace")  # the next setup's sizes
+        previous = r["line"]
+        cells = [tex_escape(r["line"]), str(r["num_prompts"]), f"{r['response_tokens']:,}", str(r["seeds"])]
+        cells += [cell(r, "tau", 3, pm=r" $\pm$ "), cell(r, "tau_deep", 3, pm=r" $\pm$ ")]
+        cells.append(_fmt(r["deep_ratio"]))  # the seed mean of each run's ratio (its CI is in the CSV)
+        lines.append(" & ".join(c.replace("–", "--") for c in cells) + r" \\")
+    return "\n".join([*lines, r"\bottomrule", r"\end{tabular}"]) + "\n"
+
+
 def _fmt(value, decimals: int = 3) -> str:
     if isinstance(value, float):
         return "--" if math.isnan(value) else f"{value:.{decimals}f}"
@@ -105,11 +123,21 @@ def step_weights(runs: list[Run]) -> str:
     return "; ".join(", ".join(f"{decay ** (j - 1):.3g}" for j in range(1, ttt + 1)) for decay, ttt in combos)
 
 
+def _by_value(text: str) -> tuple:
+    """Numbers in numeric order (40 before 160), then anything else alphabetically."""
+    try:
+        return (0, float(text), "")
+    except ValueError:
+        return (1, 0.0, text)
+
+
 def numbers(runs: list[Run], rows: list[dict], skipped: int, duplicates: int) -> str:
     """numbers.tex: \\val{setup or variant}{name} for every number the text quotes, \\val{store}{name} for the
-    setup. An unknown key prints a bold ?? (and the build still succeeds), never a stale number."""
+    setup, \\val{scaling}{name} for the data-scaling study. An unknown key prints a bold ?? (and the build still
+    succeeds), never a stale number."""
     first = runs[0].config
-    one = lambda key: sorted({str(r.config.get(key)) for r in runs})
+    listed = lambda values: ", ".join(sorted({str(v) for v in values}, key=_by_value))  # distinct, in order
+    one = lambda key: listed(r.config.get(key) for r in runs)
     store = {
         "runs": str(len(runs)),
         "setups": str(len(rows)),
@@ -120,17 +148,17 @@ def numbers(runs: list[Run], rows: list[dict], skipped: int, duplicates: int) ->
         "target": {"smollm2": "SmolLM2-135M-Instruct", "tiny": "a tiny random Llama (test target)"}.get(
             first.get("target.kind"), str(first.get("target.name_or_path"))
         ),
-        "ttt": ", ".join(one("train.ttt_steps")),
-        "epochs": ", ".join(one("train.epochs")),
-        "lr": ", ".join(one("train.lr")),
-        "stepdecay": ", ".join(one("train.step_decay")),
+        "ttt": one("train.ttt_steps"),
+        "epochs": one("train.epochs"),
+        "lr": one("train.lr"),
+        "stepdecay": one("train.step_decay"),
         "stepweights": step_weights(runs),
-        "batch": ", ".join(one("train.batch_size")),
-        "loss": ", ".join(one("train.loss")),
-        "prompts": ", ".join(one("data.num_prompts")),
-        "draftvocab": ", ".join(one("drafter.draft_vocab_size")),
-        "trainseq": ", ".join(sorted({str(int(r.metrics.get("data/train_sequences", 0))) for r in runs})),
-        "evalseq": ", ".join(sorted({str(int(r.metrics.get("data/eval_sequences", 0))) for r in runs})),
+        "batch": one("train.batch_size"),
+        "loss": one("train.loss"),
+        "prompts": one("data.num_prompts"),
+        "draftvocab": one("drafter.draft_vocab_size"),
+        "trainseq": listed(int(r.metrics.get("data/train_sequences", 0)) for r in runs),
+        "evalseq": listed(int(r.metrics.get("data/eval_sequences", 0)) for r in runs),
         "evaluator": "simulated and vLLM"
         if any("vllm/acceptance_length@k1" in r.metrics for r in runs)
         else "simulated",
@@ -147,6 +175,12 @@ def numbers(runs: list[Run], rows: list[dict], skipped: int, duplicates: int) ->
 
     for name, value in store.items():
         define("store", name, tex_escape(value))
+    if scaling := scaling_rows(runs):  # the data-scaling paragraph's numbers (it is there only with its figure)
+        tokens = [r["response_tokens"] for r in scaling]
+        define("scaling", "prompts", listed(r["num_prompts"] for r in scaling))
+        define("scaling", "tokensmin", f"{min(tokens):,}")
+        define("scaling", "tokensmax", f"{max(tokens):,}")
+        define("scaling", "k", str(DEEP_K))
     variants = [r["variant"] for r in rows]
     for r in rows:
         keys = [r["setup"]] + ([r["variant"]] if variants.count(r["variant"]) == 1 else [])
@@ -180,6 +214,10 @@ def generate(runs: list[Run], out: Path, skipped: int, duplicates: int, referenc
             (tables / f"{name}.tex").write_text(made[0])
             (tables / f"{name}.md").write_text(made[1])
             written += [tables / f"{name}.tex", tables / f"{name}.md"]
+    if scaling := scaling_rows(runs):
+        written += write_scaling(scaling, tables)
+        (tables / "data_scaling.tex").write_text(scaling_table(scaling))
+        written.append(tables / "data_scaling.tex")
     (out / "generated").mkdir(parents=True, exist_ok=True)
     (out / "generated" / "numbers.tex").write_text(numbers(runs, rows, skipped, duplicates))
     written.append(out / "generated" / "numbers.tex")

@@ -71,6 +71,7 @@ def bad_files(cache_dir, tmp_path_factory) -> Path:
         (["data.max_length=16"], "empty after filtering"),
         (["data.max_length=100000"], "exceeds the target's context window (8192 tokens); lower data.max_length"),
         (["data.sources=[wikipedia]"], "unknown data source 'wikipedia'"),
+        (["data.responses=original"], "data.responses=original needs the source's own assistant turns"),
         (["eval.suites.templates.conditions=[native,klingon]"], "klingon"),
         (["target=hf", "target.name_or_path=/nonexistent/model"], "not a local folder"),
         (["target=hf", "target.name_or_path={bad}/bert"], "is not a decoder-only causal LM"),

@@ -128,6 +128,8 @@ def test_suites_are_config_group_entries(tmp_path):
         ("drafter.aux_layer_ids=[]", "drafter.aux_layer_ids is empty"),
         ("drafter.aux_layer_ids=[0,2]", "ids must be in 1..L-1"),
         ("data.shard_size=0", "data.shard_size must be > 0"),
+        ("data.val_fraction=0", "train.keep=best chooses by validation τ .* or set train.keep=last"),
+        ("data.self_chat.temperature=0", "data.self_chat needs temperature > 0"),
     ],
 )
 def test_bad_values_fail_with_the_key_named(override, message, tmp_path):

@@ -2,6 +2,7 @@
 separate full-forward capture, the cache is keyed and reused, the draft vocab is frequency-ranked."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -221,3 +222,89 @@ def test_hybrid_states_survive_a_killed_first_epoch(tiny, tmp_path):
             assert torch.equal(stored["target_next"], ref.target_next[b, :n])
     _, stats = prepare_features(tiny, prompts, cache_dir=tmp_path, features="cached", **kw)
     assert stats.capture_cached  # cached's entry is the one hybrid published
+
+
+def _conversations(path, rows) -> str:
+    path.write_text("".join(json.dumps({"messages": r}) + "\n" for r in rows))
+    return f"jsonl:{path}"
+
+
+def test_original_responses_are_the_sources_own_answers(tiny, tmp_path):
+    """data.responses=original: each sequence is the prompt plus the source's assistant turn as the chat template
+    writes it (up to its end-of-turn id), with no tail; the same prompts regenerated are another cache entry."""
+    from eaglelab.data.prompts import load_source
+    from eaglelab.data.regenerate import stop_ids
+
+    answers = ["Paris is the capital of France.", "Four, since two plus two is four.", "Blue, on a clear day."]
+    questions = ["What is the capital of France?", "What is 2 + 2?", "What colour is the sky?"]
+    source = _conversations(
+        tmp_path / "qa.jsonl",
+        [[{"role": "user", "content": q}, {"role": "assistant", "content": a}] for q, a in zip(questions, answers)],
+    )
+    prompts = load_source(source, with_response=True)
+    assert [p[-1]["content"] for p in prompts] == answers
+    kw = dict(name="t", aux_layer_ids=[2, 4, 5], system_prompt=None, max_new_tokens=32, max_length=512, batch_size=3)
+    data, stats = prepare_features(tiny, prompts, cache_dir=tmp_path / "c", tail_tokens=8, **kw)
+    stops = stop_ids(tiny)
+    texts = {}
+    for i in range(len(data)):
+        row = data.item(i)
+        ids, p = row["input_ids"].tolist(), int(data.tokens.prompt_len[i])
+        assert ids[-1] in stops and not any(t in stops for t in ids[p:-1])  # ends at its own end of turn
+        texts[tiny.tokenizer.decode(ids[:p])] = tiny.tokenizer.decode(ids[p:-1]).strip()
+        assert len(row["aux"]) == len(ids)  # states captured over the source's text
+    assert sorted(texts.values()) == sorted(answers)
+    assert all(q in prompt for q, prompt in zip(questions, sorted(texts, key=lambda t: questions.index(
+        next(q for q in questions if q in t)))))  # fmt: skip
+    regenerated, again = prepare_features(tiny, [p[:-1] for p in prompts], cache_dir=tmp_path / "c", **kw)
+    assert not again.regen_cached and regenerated["input_ids"] != data["input_ids"]
+
+
+def test_original_responses_need_a_source_with_answers(tmp_path):
+    from eaglelab.data.prompts import load_source
+
+    with pytest.raises(DataError, match="stdlib_docstrings has none"):
+        load_source("stdlib_docstrings", with_response=True)
+    source = _conversations(tmp_path / "q.jsonl", [[{"role": "user", "content": "hi"}]])
+    with pytest.raises(DataError, match=r"q.jsonl:1: empty conversation \(no a user turn with text, followed by an"):
+        load_source(source, with_response=True)
+    assert load_source(source) == [[{"role": "user", "content": "hi"}]]  # regenerate: the user turn is enough
+
+
+def test_python_docstrings_is_a_larger_pool_of_prose_requests():
+    """The standard library's and installed packages' documented API: many times the curated stdlib pool, no
+    repeated request, no bare signature standing in for documentation."""
+    from eaglelab.data.prompts import python_docstring_prompts, stdlib_docstring_prompts
+
+    pool = [p[0]["content"] for p in python_docstring_prompts()]
+    assert len(pool) > 5 * len(stdlib_docstring_prompts()) and len(set(pool)) == len(pool)
+    docs = [text.split("\n\n")[1] for text in pool]
+    assert not [d for d in docs if re.fullmatch(r"[\w.]+\(.*\)(\s*->.*)?", d)]  # "name(args) -> T": a signature
+    assert any("torch." in t for t in pool) and any("the Python standard library" in t for t in pool)
+
+
+def test_self_chat_keeps_closed_distinct_requests_in_order():
+    from eaglelab.config import SelfChatSettings
+    from eaglelab.data.self_chat import keep
+
+    rows = [
+        {"text": "How do I bake sourdough bread at home?", "closed": True},
+        {"text": "How do I bake sourdough bread at home?!", "closed": True},  # the same once normalized
+        {"text": "An unfinished request that ran out of tok", "closed": False},  # never closed its turn
+        {"text": "Hi", "closed": True},  # too short
+        {"text": "Plan a three-day trip to Lisbon for two people on a budget.", "closed": True},
+        {"text": "Summarize the causes of the First World War in five bullet points.", "closed": True},
+    ]
+    assert keep(rows, 2, SelfChatSettings()) == [rows[0]["text"], rows[4]["text"]]
+    assert len(keep(rows, 10, SelfChatSettings())) == 3
+
+
+def test_the_chat_evaluation_set_is_held_out_of_every_training_source():
+    from eaglelab.data.chat_prompts import CHAT_PROMPTS
+    from eaglelab.data.prompts import load_source
+
+    chat = load_source("chat")
+    assert len(chat) == 48 and len(CHAT_PROMPTS) == 8 and all(len(v) == 6 for v in CHAT_PROMPTS.values())
+    texts = {p[0]["content"] for p in chat}
+    for source in ("stdlib_docstrings", "pydoc_topics", "python_docstrings"):
+        assert not texts & {p[-1]["content"] for p in load_source(source)}

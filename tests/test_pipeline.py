@@ -286,3 +286,39 @@ def test_seeds_and_variants_give_different_drafters(smoke_runs, cache_dir, tmp_p
             differ = [k for k in metrics[x] if metrics[x][k] != metrics[y][k]]
             # τ itself differs, not only some validation figure
             assert any(k.startswith("acceptance_length@") for k in differ), f"{x} and {y}: identical τ"
+
+
+def test_keep_best_exports_the_epoch_with_the_best_validation_tau(cache_dir, tmp_path):
+    """train.keep=best: the run's validation metrics are those of its best epoch (by validation τ at k = ttt), and
+    the exported drafter is that epoch's: recomputed on the run's own validation sequences it gives that τ."""
+    from torch.utils.data import DataLoader
+
+    from eaglelab.acceptance import AcceptanceCounts
+    from eaglelab.batches import FeatureDataset, acceptance_counts, collate
+    from eaglelab.export import TargetShape, load_checkpoint
+    from eaglelab.pipeline import StageTimer, build_model_config, prepare_data, regen_backend, select_prompts
+    from eaglelab.targets import load_target
+
+    overrides = ["experiment=smoke", "train.keep=best", "train.precision=32-true"]  # fp32: recomputed exactly
+    run_dir = run(compose(overrides, cache_dir, tmp_path / "best"))
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    log = [r for r in read_csv(run_dir / "logs" / "metrics.csv") if r.get("val/acceptance_length@k3")]
+    per_epoch = [float(r["val/acceptance_length@k3"]) for r in log]
+    print("validation τ@k3 per epoch", per_epoch, "kept", metrics["train/kept_epoch"])
+    assert len(per_epoch) == 4 and metrics["val/acceptance_length@k3"] == pytest.approx(max(per_epoch))
+    assert int(metrics["train/kept_epoch"]) == int(log[per_epoch.index(max(per_epoch))]["epoch"])
+
+    cfg = compose(overrides, cache_dir, run_dir)
+    target = load_target(cfg.target, cfg.paths.cache_dir)
+    data = prepare_data(cfg, target, build_model_config(cfg, target), select_prompts(cfg, target), StageTimer(),
+                        regen_backend(cfg)).train  # fmt: skip
+    drafter = load_checkpoint(
+        run_dir / "drafter",
+        target.weights().embed.float(),
+        TargetShape(target.hidden_size, target.vocab_size, target.num_layers),
+    ).eval()
+    val = FeatureDataset(data, [i for i, v in enumerate(data["is_val"]) if v], with_final=False, with_tail=True)
+    total = AcceptanceCounts(k=3)
+    for batch in DataLoader(val, batch_size=cfg.train.batch_size, collate_fn=collate):
+        total.add(acceptance_counts(drafter, batch, 3)[3])
+    assert total.acceptance_length == pytest.approx(max(per_epoch), abs=1e-6)

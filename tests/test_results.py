@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import ROOT, run_cli
 from wandb_records import read_run
@@ -22,6 +23,12 @@ STORE_SWEEP = [
     "+suite=all",
     "eval.suites.long_context.lengths=[128,384]",
     "logger=wandb",
+]
+# One more EAGLE-3.1 run, the store's settings on a smaller training set: two data sizes for the scaling study.
+SMALLER_DATA = [
+    *(a for a in STORE_SWEEP if a not in ("+ablation=eagle3_1,eagle3", "train.seed=0,1", "logger=wandb")),
+    "+ablation=eagle3_1",
+    "data.num_prompts=12",
 ]
 NO_NETWORK = {
     "WANDB_BASE_URL": "http://127.0.0.1:9",
@@ -205,6 +212,7 @@ def test_paper_is_regenerated_by_one_command_and_broken_runs_are_named_and_skipp
         assert any(str(copy / name) in line and reason in line for line in proc.stderr.splitlines()), name
     figures = {p.stem for p in (out / "figures").glob("*.png")}
     assert figures == {"tau_vs_k", "extrapolation", "long_context", "templates", "drift", "fc_balance"}
+    assert not (out / "tables" / "data_scaling.csv").exists()  # one data size: no scaling to show
     assert all((out / "figures" / f"{f}.pdf").stat().st_size > 1000 for f in figures)
     assert {p.name for p in (out / "tables").iterdir()} >= {
         "acceptance.tex",
@@ -249,6 +257,53 @@ def test_paper_is_regenerated_by_one_command_and_broken_runs_are_named_and_skipp
     # rebuilt without LaTeX: the old PDF (the previous build's numbers) does not stay next to the new tables
     assert script("paper/build.py", copy, "--out", out, "--no-pdf").returncode == 0
     assert not (out / "paper.pdf").exists() and (out / "generated" / "numbers.tex").exists()
+
+
+def test_data_scaling_groups_runs_by_variant_and_data_size(store, cache_dir, tmp_path):
+    """Next to the store's runs (24 prompts, 2 seeds per variant), one EAGLE-3.1 run on 12 prompts: the data-scaling
+    table has one row per variant and size with that size's seeds and the runs' metrics.json numbers, the figure is
+    drawn and the paper quotes it; the comparison table keeps one setup per variant and size, each compared with
+    EAGLE-3 at its own size only."""
+    smaller = tmp_path / "smaller"
+    proc = run_cli([*SMALLER_DATA, f"hydra.sweep.dir={smaller}"], cache_dir, tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "paper"
+    latex = shutil.which("latexmk") is not None
+    proc = script("paper/build.py", store / "grid_sweep", smaller, "--out", out, *([] if latex else ["--no-pdf"]))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    measured: dict[tuple[str, int], list[dict]] = {}  # (variant, num_prompts) -> each seed's metrics.json
+    for d in [*run_dirs(store), *(p.parent for p in smaller.glob("*/metrics.json"))]:
+        config = yaml.safe_load((d / "config.yaml").read_text())
+        key = (config["variant"], config["data"]["num_prompts"])
+        measured.setdefault(key, []).append(json.loads((d / "metrics.json").read_text()))
+    assert set(measured) == {("eagle3.1", 12), ("eagle3.1", 24), ("eagle3", 24)}
+    rows = {(r["variant"], int(r["num_prompts"])): r for r in csv.DictReader(open(out / "tables/data_scaling.csv"))}
+    assert set(rows) == set(measured)
+    for key, seeds in measured.items():
+        row, mean = rows[key], lambda xs: sum(xs) / len(xs)
+        assert int(row["seeds"]) == len(seeds) == (2 if key[1] == 24 else 1)
+        assert int(row["response_tokens"]) == seeds[0]["data/response_tokens"]
+        tau, deep = [m["acceptance_length@k3"] for m in seeds], [m["acceptance_length@k8"] for m in seeds]
+        assert float(row["tau"]) == pytest.approx(mean(tau))
+        assert float(row["tau_deep"]) == pytest.approx(mean(deep))
+        assert float(row["deep_ratio"]) == pytest.approx(mean([d / t for d, t in zip(deep, tau)]))
+    # the 12 prompts are the first 12 of the 24: fewer tokens to learn from
+    assert int(rows[("eagle3.1", 12)]["response_tokens"]) < int(rows[("eagle3.1", 24)]["response_tokens"])
+    assert (out / "tables/data_scaling.tex").read_text().count(r"\\") == 3 + 1  # 3 rows and the heading
+    assert "| eagle3.1 | 12 | " in (out / "tables/data_scaling.md").read_text()
+    assert (out / "figures/data_scaling.png").stat().st_size > 1000
+    assert (out / "figures/data_scaling.pdf").stat().st_size > 1000
+    numbers = (out / "generated/numbers.tex").read_text()
+    assert r"\csname eaglelab@scaling@prompts\endcsname{12, 24}" in numbers
+
+    comparison = {r["setup"]: r for r in csv.DictReader(open(out / "tables/comparison.csv"))}
+    assert set(comparison) == {"eagle3.1 num_prompts=12", "eagle3.1 num_prompts=24", "eagle3 num_prompts=24"}
+    ours, reference = comparison["eagle3.1 num_prompts=24"], comparison["eagle3 num_prompts=24"]
+    assert float(ours["tau_vs_reference"]) == pytest.approx(float(ours["tau"]) / float(reference["tau"]))
+    assert comparison["eagle3.1 num_prompts=12"]["tau_vs_reference"] == "nan"  # no EAGLE-3 on 12 prompts
+    if latex:  # the paper's data-scaling paragraph is there, with its figure
+        assert "figures/data_scaling.pdf" in (out / "paper.log").read_text(errors="replace")
 
 
 def test_paper_quotes_the_step_weights_of_the_stored_config(store):

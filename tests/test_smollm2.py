@@ -7,7 +7,10 @@ import pytest
 import torch
 from run_tables import check_acceptance_tables
 
+from eaglelab.config import SelfChatSettings
 from eaglelab.data.capture import aux_hooks
+from eaglelab.data.self_chat import self_chat_prompts
+from eaglelab.data.store import TokenStore
 from eaglelab.pipeline import run
 from eaglelab.targets import load_target
 
@@ -18,6 +21,8 @@ from conftest import compose
 def smollm2_run(cache_dir, tmp_path_factory):
     overrides = [
         "data.num_prompts=6",
+        "data.sources=[stdlib_docstrings,self_chat]",  # half of them written by SmolLM2 itself
+        "data.self_chat.batch_size=4",
         "data.max_new_tokens=16",
         "data.regen_batch_size=6",
         "eval.num_prompts=4",
@@ -58,7 +63,7 @@ def test_capture_uses_vllm_layer_ids(smollm2_run, cache_dir):
 
 
 def test_simulated_acceptance_matches_vllm_on_the_embedded_target(smollm2_run):
-    """SmolLM2 in bf16, the same prompts, checkpoint and budgets, k = 1..2·ttt+2 (past the trained depth and past
+    """SmolLM2 in bf16, the same prompts, checkpoint and budgets, k = 1, 3, 8 (past the trained depth and past
     each sequence's end): τ agrees within 2 %. Not exactly: vLLM verifies k+1 tokens per forward, and bf16 rounds
     differently from the one-token decode that regenerated the responses, so near-ties flip (measured with the
     default drafter on 32 HumanEval prompts: |Δτ| 0.3-1.4 %, 53-75 % identical outputs; on this fixture's 4 short
@@ -67,9 +72,33 @@ def test_simulated_acceptance_matches_vllm_on_the_embedded_target(smollm2_run):
 
     with open(smollm2_run / "parity.csv") as f:
         parity = {int(r["k"]): r for r in csv.DictReader(f)}
-    assert sorted(parity) == list(range(1, 9))
+    assert sorted(parity) == [1, 3, 8]  # vLLM's default depths: 1, ttt_steps, max_k
     for k, row in parity.items():
         print(k, {c: row[c] for c in row if c.endswith(("simulated", "vllm", "share"))})
         assert abs(float(row["relative_difference"])) <= 0.02, row
         assert int(row["drafts_vllm"]) > 0 and float(row["same_output_share"]) >= 0.5, row
     assert sum(int(r["accepted_vllm"]) for r in parity.values()) > 0, "no draft accepted: nothing was compared"
+
+
+def test_self_chat_requests_are_written_cached_extended_and_trained_on(smollm2_run, cache_dir):
+    """The self_chat source: SmolLM2 given only its user-turn prefix writes distinct requests, cached batch by batch
+    (asking again generates nothing; asking for more extends the same stream), and the run trained on them."""
+    from eaglelab.config import TargetConfig
+
+    target = load_target(TargetConfig(kind="smollm2"), cache_dir)
+    settings = SelfChatSettings(batch_size=4)  # as the run above
+    (folder,) = (cache_dir / "prompts" / "self_chat").iterdir()
+    written = {p: p.stat().st_mtime_ns for p in folder.glob("batch-*.jsonl")}
+    first = self_chat_prompts(target, 3, cache_dir=cache_dir, system_prompt=None, seed=0, settings=settings)
+    assert {p: p.stat().st_mtime_ns for p in folder.glob("batch-*.jsonl")} == written  # the run's, read back
+    texts = [p[0]["content"] for p in first]
+    assert len(set(texts)) == 3 and all(len(t) >= 16 and "<|im_" not in t for t in texts), texts
+    more = self_chat_prompts(target, 6, cache_dir=cache_dir, system_prompt=None, seed=0, settings=settings)
+    assert more[:3] == first and len({p[0]["content"] for p in more}) == 6
+    prompts = set()
+    for entry in (cache_dir / "regen").iterdir():
+        meta = json.loads((entry / "complete.json").read_text()) if (entry / "complete.json").exists() else {}
+        if meta.get("name") == "train" and "self_chat" in meta.get("source", ""):
+            store = TokenStore(entry)
+            prompts |= {target.tokenizer.decode(store.input_ids(i)[: store.prompt_len[i]]) for i in range(len(store))}
+    assert prompts and all(any(t in p for p in prompts) for t in texts)

@@ -26,6 +26,7 @@ RANK = {
     "eaglelab.data.prompts": 1,
     "eaglelab.data.templates": 1,
     "eaglelab.data.long_context": 1,
+    "eaglelab.data.chat_prompts": 1,
     # 2: the target, regenerate, capture, cache, and the limits a run's sizes are checked against
     "eaglelab.targets": 2,
     "eaglelab.limits": 2,
@@ -34,6 +35,7 @@ RANK = {
     "eaglelab.data.store": 2,
     "eaglelab.data.prepare": 2,
     "eaglelab.data.vocab": 2,
+    "eaglelab.data.self_chat": 2,  # prompts the target writes: they need the target
     # 3: train
     "eaglelab.batches": 3,
     "eaglelab.training": 3,

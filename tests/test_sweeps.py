@@ -35,6 +35,8 @@ def _grid(sweep: str) -> list[list[str]]:
     from hydra import initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    import eaglelab.config  # noqa: F401  registers the schema (run alone, no earlier test has imported it)
+
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = hydra_compose("config", overrides=[f"+sweep={sweep}"], return_hydra_config=True)
     params = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in cfg.hydra.sweeper.params.items()])
@@ -42,18 +44,47 @@ def _grid(sweep: str) -> list[list[str]]:
     return [list(combo) for combo in itertools.product(*axes)]
 
 
+ALL_VARIANTS = {"eagle3.1", "no_fc_norm", "no_norm_output", "eagle3"}
+TRIAL_KEYS = {  # what tells a grid's trials apart, read from the composed config
+    "seed": lambda cfg: cfg.train.seed,
+    "ttt_steps": lambda cfg: cfg.train.ttt_steps,
+    "num_prompts": lambda cfg: cfg.data.num_prompts,
+}
+
+
 @pytest.mark.parametrize(
-    "sweep, trials, keys", [("ablation_grid", 12, ("variant", "seed")), ("ttt_grid", 16, ("variant", "ttt_steps"))]
+    "sweep, trials, keys, variants",
+    [
+        ("ablation_grid", 12, ("seed",), ALL_VARIANTS),
+        ("ttt_grid", 16, ("ttt_steps",), ALL_VARIANTS),
+        ("data_scaling", 20, ("num_prompts", "seed"), {"eagle3.1", "eagle3"}),
+    ],
 )
-def test_ready_grids_expand_to_distinct_valid_trials(sweep, trials, keys, cache_dir, tmp_path):
+def test_ready_grids_expand_to_distinct_valid_trials(sweep, trials, keys, variants, cache_dir, tmp_path):
     grid = _grid(sweep)
     assert len(grid) == trials
     seen = set()
     for overrides in grid:
         cfg = compose(overrides, cache_dir, tmp_path)
-        seen.add((cfg.variant, cfg.train.seed if "seed" in keys else cfg.train.ttt_steps))
-    assert len(seen) == trials  # every trial is a different (variant, seed|depth)
-    assert {v for v, _ in seen} == {"eagle3.1", "no_fc_norm", "no_norm_output", "eagle3"}
+        seen.add((cfg.variant, *(TRIAL_KEYS[k](cfg) for k in keys)))
+    assert len(seen) == trials  # every trial is a different (variant, seed|depth|data size ...)
+    assert {v for v, *_ in seen} == variants
+
+
+def test_data_scaling_sizes_are_distinct_training_sets(cache_dir, tmp_path):
+    """Each data size of the data-scaling grid gets that many distinct training prompts from the default sources: a
+    size beyond what they hold would silently repeat the largest set. The self_chat source is the target writing
+    its share (tested on SmolLM2 in test_smollm2.py); here numbered requests stand in for it, so the grid's largest
+    size is checked in a second rather than generated."""
+    from eaglelab.data.prompts import mix_sources
+
+    sizes = sorted({int(o.split("=")[1]) for trial in _grid("data_scaling") for o in trial if "num_prompts" in o})
+    assert len(sizes) >= 4
+    data = compose([f"data.num_prompts={sizes[-1]}"], cache_dir, tmp_path).data
+    assert "self_chat" in data.sources
+    written = lambda count: [[{"role": "user", "content": f"request {i}"}] for i in range(count)]  # noqa: E731
+    prompts = mix_sources(data.sources, data.num_prompts, data.seed, self_chat=written)
+    assert len({json.dumps(p) for p in prompts}) == sizes[-1]
 
 
 def test_killed_runs_resume_to_the_uninterrupted_result(cache_dir, tmp_path):

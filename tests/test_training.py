@@ -144,3 +144,46 @@ def test_a_non_finite_gradient_or_weight_stops_the_real_trainer_and_last_ckpt_st
         assert float(module.w) == 0.0
     else:  # stopped after the step that broke the weights, before the checkpoint that would have kept them
         assert not torch.isfinite(module.w).all()
+
+
+class ScriptedValidation(L.LightningModule):
+    """One weight that training moves every step, and a validation τ scripted per epoch: 1.5, 2.5, 2.0, 1.8."""
+
+    SCRIPT = [1.5, 2.5, 2.0, 1.8]
+
+    def __init__(self):
+        super().__init__()
+        self.drafter = torch.nn.Linear(1, 1, bias=False)
+        self.seen: list[torch.Tensor] = []  # the weight at each validation pass
+
+    def training_step(self, batch, batch_idx):
+        return (self.drafter(batch) - 10.0).pow(2).mean()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/acceptance_length@k3", self.SCRIPT[self.current_epoch])
+        self.seen.append(self.drafter.weight.detach().clone())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_keep_best_restores_the_weights_and_metrics_of_the_best_validation_pass(tmp_path):
+    """train.keep=best's callback in the real Trainer: whatever epoch ends training, the weights restored are those
+    of the pass with the highest validation τ (epoch 1 of 4 here), with that pass's metrics, and a checkpoint
+    written after it carries them for a resumed run."""
+    from eaglelab.training import KeepBest
+
+    overrides = ["experiment=smoke", "train.epochs=4", "train.precision=32-true", "train.checkpoint_every_n_steps=1"]
+    cfg = compose(overrides, tmp_path / "cache", tmp_path)
+    module, keep = ScriptedValidation(), KeepBest("val/acceptance_length@k3")
+    data, one_batch = (torch.utils.data.DataLoader(torch.ones(2, 1), batch_size=b) for b in (1, 2))
+    make_trainer(cfg, tmp_path / "run", False, [keep]).fit(module, data, one_batch)
+    assert len(module.seen) == 4 and not torch.equal(module.seen[1], module.drafter.weight)
+    metrics = keep.restore(module)
+    assert metrics == {"val/acceptance_length@k3": 2.5, "train/kept_epoch": 1.0}
+    assert torch.equal(module.drafter.weight, module.seen[1])
+    saved = torch.load(tmp_path / "run" / "lightning" / "last.ckpt", weights_only=False)
+    (state,) = [v for k, v in saved["callbacks"].items() if k.startswith("KeepBest")]
+    resumed = KeepBest("val/acceptance_length@k3")
+    resumed.load_state_dict(state)
+    assert resumed.epoch == 1 and torch.equal(resumed.weights["weight"], module.seen[1])

@@ -23,10 +23,12 @@ def read_csv(path):
 
 @pytest.fixture(scope="module")
 def evaluated_run(cache_dir, tmp_path_factory):
-    """A briefly trained EAGLE-3.1 drafter on the tiny target, evaluated by vLLM as every run is:
-    k = 1..8, and throughput at concurrency 1/4/16 with and without the drafter."""
+    """A briefly trained EAGLE-3.1 drafter on the tiny target, evaluated by vLLM as every run is, with the full
+    sweep k = 1..8 (eval.vllm.every_k; a run's default is k = 1, ttt, 8), and throughput at concurrency 1/4/16
+    with and without the drafter."""
     root = tmp_path_factory.mktemp("vllm")
-    return run(compose(["experiment=smoke", "eval.vllm.enabled=true"], cache_dir, root / "run"))
+    overrides = ["experiment=smoke", "eval.vllm.enabled=true", "eval.vllm.every_k=true"]
+    return run(compose(overrides, cache_dir, root / "run"))
 
 
 def test_every_run_is_evaluated_in_vllm(evaluated_run):
@@ -111,7 +113,9 @@ NO_EXTRAS = ["eval.suites.extrapolation.enabled=false", "eval.suites.drift.enabl
 def leaning_run(cache_dir, tmp_path_factory):
     """An EAGLE-3.1 drafter trained longer than the smoke one (30 steps, this seed), on non-default aux layers,
     evaluated by vLLM at k = K."""
-    trained = ["experiment=smoke", "train.epochs=6", "train.seed=1", f"drafter.aux_layer_ids={AUX}"]
+    # keep=last: the 30-step weights whose figures the aux-id test quotes (an earlier epoch reads the aux layers
+    # less, and its τ on the default ids' states came out equal)
+    trained = ["experiment=smoke", "train.epochs=6", "train.seed=1", f"drafter.aux_layer_ids={AUX}", "train.keep=last"]
     vllm = ["eval.vllm.enabled=true", f"eval.vllm.ks=[{K}]", "eval.vllm.throughput_ks=[]"]
     return run(compose([*trained, *vllm, *NO_EXTRAS], cache_dir, tmp_path_factory.mktemp("vllm") / "aux"))
 

@@ -101,9 +101,37 @@ class DrafterConfig(DrafterFlags):
 
 
 @dataclass
+class SelfChatSettings:
+    """How the target writes its own requests, the `self_chat` source (`data.self_chat`, eaglelab.data.self_chat)."""
+
+    temperature: float = 1.0  # Magpie samples at 1: lower collapses onto a few favourite requests
+    top_p: float = 0.95
+    max_new_tokens: int = 64  # a request, not an essay: a longer candidate is dropped as run-on
+    batch_size: int = 32  # part of the stream's identity (each batch has its own seed)
+    min_chars: int = 16
+    max_chars: int = 400
+
+    def __post_init__(self):
+        if not (self.temperature > 0 and 0 < self.top_p <= 1 and self.max_new_tokens > 0 and self.batch_size > 0):
+            raise ConfigError(
+                "data.self_chat needs temperature > 0, 0 < top_p <= 1, max_new_tokens > 0 and batch_size > 0"
+            )
+        if not 0 < self.min_chars <= self.max_chars:
+            raise ConfigError("data.self_chat needs 0 < min_chars <= max_chars")
+
+
+@dataclass
 class DataConfig:
-    # "stdlib_docstrings", "pydoc_topics", "jsonl:PATH" (OpenAI messages or ShareGPT), "hf:PATH[:SPLIT]"
-    sources: list[str] = field(default_factory=lambda: ["stdlib_docstrings", "pydoc_topics"])
+    # stdlib_docstrings | pydoc_topics | python_docstrings (the standard library's and installed packages' API) |
+    # self_chat (requests the target writes itself, eaglelab.data.self_chat) | jsonl:PATH (OpenAI messages or
+    # ShareGPT) | hf:PATH[:SPLIT]; round-robin, an even share each
+    sources: list[str] = field(
+        default_factory=lambda: ["stdlib_docstrings", "pydoc_topics", "python_docstrings", "self_chat"]
+    )
+    # regenerate: the target answers every prompt (its own distribution) | original: a jsonl/hf source's own
+    # assistant turns, captured as they are (EAGLE-1's fixed data)
+    responses: Literal["regenerate", "original"] = "regenerate"
+    self_chat: SelfChatSettings = field(default_factory=SelfChatSettings)  # how the self_chat source samples
     num_prompts: int = 192
     val_fraction: float = 0.1
     max_new_tokens: int = 160
@@ -158,6 +186,9 @@ class TrainConfig:
     epochs: int = 8
     max_steps: int = -1
     grad_clip: float = 0.5
+    # last: the final weights | best: the weights of the epoch with the highest validation τ at k = ttt_steps
+    # (its validation metrics are the run's; train/kept_epoch says which). Needs data.val_fraction > 0.
+    keep: Literal["last", "best"] = "best"
     seed: int = 0
     # Lightning's precisions; bf16-mixed is CPU autocast (AVX512-bf16): ~1.6x faster than 32-true here
     precision: Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true", "bf16", 32, 16, 64] = (
@@ -203,7 +234,10 @@ class VllmEvalConfig:
     enabled: bool | None = None  # None: when vLLM is installed (else a warning); true: required; false: skip
     method: Literal["eagle3"] = "eagle3"
     num_prompts: int = 16  # acceptance sweep over k (the simulated evaluator reruns on the same subset)
-    ks: list[int] | None = None  # None: 1..max_k
+    # None: [1, ttt_steps, max_k] (the simulated evaluator measures every k, exactly as vLLM counts: one engine per
+    # k here is a cross-check and costs ~15 s each on a CPU); every_k=true: the full sweep k = 1..max_k
+    ks: list[int] | None = None
+    every_k: bool = False
     throughput_ks: list[int] | None = None  # None: [ttt_steps]
     concurrencies: list[int] = field(default_factory=lambda: [1, 4, 16])
     throughput_prompts: int = 4  # prompts timed per concurrency c (at least 2c, at most num_prompts)
@@ -345,6 +379,11 @@ class RunConfig:
     def __post_init__(self):
         if not self.objective:
             raise ConfigError("objective must name at least one metric, e.g. objective=[val/acceptance_length@k3]")
+        if self.train.keep == "best" and self.data.val_fraction == 0:
+            raise ConfigError(
+                "train.keep=best chooses by validation τ and data.val_fraction=0 leaves none; raise data.val_fraction "
+                "or set train.keep=last"
+            )
         check_depths_and_lengths(self)
 
 
@@ -425,3 +464,11 @@ def check_depths_and_lengths(cfg: RunConfig) -> None:
                 f"{suite.max_new_tokens} (a draft of depth k needs k+1 response tokens); lower eval.suites.ks "
                 f"(default: train.ttt_steps) or raise eval.suites.{name}.max_new_tokens"
             )
+
+
+def vllm_ks(cfg: RunConfig) -> list[int]:
+    """Draft depths vLLM measures on the held-out set (one engine each)."""
+    v, k = cfg.eval.vllm, max_k(cfg)
+    if v.ks:
+        return sorted(set(v.ks))
+    return list(range(1, k + 1)) if v.every_k else sorted({1, cfg.train.ttt_steps, k})

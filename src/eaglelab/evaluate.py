@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from eaglelab.acceptance import AcceptanceCounts
 from eaglelab.batches import FeatureDataset, acceptance_counts, collate
-from eaglelab.config import RunConfig, max_k
+from eaglelab.config import RunConfig, vllm_ks
 from eaglelab.drafter import Eagle3Drafter
 from eaglelab.errors import EaglelabError
 from eaglelab.vllm_engine import INSTALL_HINT, vllm_available
@@ -81,13 +81,13 @@ def vllm_wanted(cfg: RunConfig) -> bool:
 
 def held_out_in_vllm(cfg: RunConfig, run_dir: Path, drafter: Eagle3Drafter, serving: Serving, features) -> VllmReport:
     """`evaluate_in_vllm` with the run's settings, on its exported drafter."""
-    v, K = cfg.eval.vllm, max_k(cfg)
+    v = cfg.eval.vllm
     return evaluate_in_vllm(
         drafter,
         run_dir / "drafter",
         serving.path,
         features,
-        ks=v.ks or list(range(1, K + 1)),
+        ks=vllm_ks(cfg),
         throughput_ks=[cfg.train.ttt_steps] if v.throughput_ks is None else v.throughput_ks,
         concurrencies=v.concurrencies,
         num_prompts=v.num_prompts,

@@ -22,7 +22,8 @@ from eaglelab.acceptance import tail_tokens
 from eaglelab.batches import OnlineStates
 from eaglelab.config import RunConfig, max_k
 from eaglelab.data.prepare import CaptureSettings, PrepareStats, prepare_features
-from eaglelab.data.prompts import humaneval_prompts, load_source, mix_sources
+from eaglelab.data.prompts import load_source, mix_sources
+from eaglelab.data.self_chat import self_chat_prompts
 from eaglelab.drafter import Eagle3Config, Eagle3Drafter
 from eaglelab.errors import ConfigError, EaglelabError
 from eaglelab.evaluate import Serving, acceptance_rows, evaluate_simulated, held_out_in_vllm, vllm_wanted
@@ -131,7 +132,8 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
     # 1. The drafter's config: built for this target, or the checkpoint's when only evaluating.
     drafter = load_to_evaluate(cfg, target, weights) if cfg.checkpoint else None
     model_cfg = drafter.cfg if drafter else build_model_config(cfg, target)
-    prompts = select_prompts(cfg)
+    with timer("prompts"):
+        prompts = select_prompts(cfg, target)
     # Sizes against this data, target and machine, before any work.
     memory = check_limits(cfg, target, model_cfg, prompts.train if drafter is None else [], prompts.held_out)
     record.target, record.target_path = target.fingerprint, str(target.path)
@@ -269,15 +271,35 @@ class Prompts:
     held_out: list  # held-out evaluation prompts
 
 
-def select_prompts(cfg: RunConfig) -> Prompts:
-    """Training prompts and held-out evaluation prompts, never overlapping."""
-    eval_prompts = (
-        humaneval_prompts() if cfg.eval.prompts == "humaneval" else load_source(cfg.eval.prompts, cfg.data.skip_empty)
-    )
+def select_prompts(cfg: RunConfig, target: Target | None = None) -> Prompts:
+    """Training prompts and held-out evaluation prompts, never overlapping. `target` writes the `self_chat` source's
+    requests (cached, eaglelab.data.self_chat)."""
+    eval_prompts = load_source(cfg.eval.prompts, cfg.data.skip_empty)
     eval_prompts = eval_prompts[: cfg.eval.num_prompts] if cfg.eval.num_prompts else eval_prompts
-    train_prompts = mix_sources(cfg.data.sources, cfg.data.num_prompts, cfg.data.seed, cfg.data.skip_empty)
+    self_chat = None
+    if target is not None:
+
+        def self_chat(count: int) -> list:
+            return self_chat_prompts(
+                target,
+                count,
+                cache_dir=cfg.paths.cache_dir,
+                system_prompt=cfg.data.system_prompt,
+                seed=cfg.data.seed,
+                settings=cfg.data.self_chat,
+            )
+
+    train_prompts = mix_sources(
+        cfg.data.sources,
+        cfg.data.num_prompts,
+        cfg.data.seed,
+        cfg.data.skip_empty,
+        with_response=cfg.data.responses == "original",
+        self_chat=self_chat,
+    )
     held_out = {json.dumps(p, sort_keys=True) for p in eval_prompts}
-    kept = [p for p in train_prompts if json.dumps(p, sort_keys=True) not in held_out]
+    question = lambda p: p[:-1] if p[-1]["role"] == "assistant" else p  # noqa: E731  (original responses)
+    kept = [p for p in train_prompts if json.dumps(question(p), sort_keys=True) not in held_out]
     if len(kept) < len(train_prompts):
         log.warning("dropped %d training prompts that are also evaluation prompts", len(train_prompts) - len(kept))
     return Prompts(kept, eval_prompts)
@@ -315,6 +337,7 @@ def prepare_data(
             features=cfg.features.kind,
             with_final=cfg.train.loss == "kl",  # the KL teacher's state; CE needs none
             tail_tokens=tail_tokens(2 * cfg.train.ttt_steps),  # validation τ up to k = 2·ttt
+            source="+".join(cfg.data.sources) + ("" if cfg.data.responses == "regenerate" else ":original"),
             **asdict(capture),
         )
     if not evaluate:
@@ -323,6 +346,7 @@ def prepare_data(
         target,
         prompts.held_out,
         name="eval",
+        source=cfg.eval.prompts,
         max_new_tokens=cfg.eval.max_new_tokens,
         tail_tokens=tail_tokens(max_k(cfg)),
         **asdict(capture),

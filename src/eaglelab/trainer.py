@@ -25,6 +25,7 @@ from eaglelab.training import (
     DrafterModule,
     EpochBatches,
     FlushLogsWithCheckpoints,
+    KeepBest,
     ResumableLoader,
     StopOnNonFinite,
 )
@@ -93,11 +94,14 @@ def train_drafter(
         if is_primary():
             keep_previous_log(run_dir)
     del state
-    trainer = make_trainer(cfg, run_dir, loggers())
+    keep_best = KeepBest(f"val/acceptance_length@k{cfg.train.ttt_steps}") if cfg.train.keep == "best" else None
+    trainer = make_trainer(cfg, run_dir, loggers(), [keep_best] if keep_best else [])
     trainer.fit(module, loader, val_loader, ckpt_path=resume)
     if trainer.interrupted:
         raise KeyboardInterrupt("training interrupted")
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("val/", "train/"))}
+    if keep_best is not None:  # the best validation pass's weights and metrics replace the last's
+        metrics.update(keep_best.restore(module))
     metrics.update(
         {
             "data/train_sequences": len(train_idx),
@@ -139,7 +143,7 @@ def init_from_target(module, target: TargetWeights, draft_ids: torch.Tensor, ini
     return head
 
 
-def make_trainer(cfg: RunConfig, run_dir: Path, loggers: list | bool):
+def make_trainer(cfg: RunConfig, run_dir: Path, loggers: list | bool, extra_callbacks: list | None = None):
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.plugins.environments import SLURMEnvironment
 
@@ -174,6 +178,7 @@ def make_trainer(cfg: RunConfig, run_dir: Path, loggers: list | bool):
             ),
             FlushLogsWithCheckpoints(),
             StopOnNonFinite(),
+            *(extra_callbacks or []),
         ],
         enable_model_summary=False,
         default_root_dir=str(run_dir),

@@ -145,6 +145,41 @@ class StopOnNonFinite(L.Callback):
             )
 
 
+class KeepBest(L.Callback):
+    """train.keep=best: the drafter of the validation pass with the highest `monitor` (validation τ at k = ttt),
+    not the last one. A small drafter on little data overfits (validation τ peaks, then slips while training
+    accuracy climbs), so the last epoch is rarely the one to export. The best weights (the frozen shared
+    embeddings left out) and that pass's validation metrics ride in every checkpoint, so a resumed run keeps them."""
+
+    def __init__(self, monitor: str):
+        self.monitor, self.score, self.epoch = monitor, float("-inf"), -1
+        self.weights: dict[str, torch.Tensor] = {}
+        self.metrics: dict[str, float] = {}
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        score = trainer.callback_metrics.get(self.monitor)
+        if trainer.sanity_checking or score is None or not float(score) > self.score:
+            return
+        self.score, self.epoch = float(score), trainer.current_epoch
+        state = pl_module.drafter.state_dict()
+        self.weights = {k: v.detach().cpu().clone() for k, v in state.items() if not k.startswith("embed_tokens")}
+        self.metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+
+    def restore(self, pl_module) -> dict[str, float]:
+        """The best pass's weights into `pl_module`; -> its validation metrics and epoch (empty: never validated)."""
+        if not self.weights:
+            return {}
+        pl_module.drafter.load_state_dict(self.weights, strict=False)
+        return {**self.metrics, "train/kept_epoch": float(self.epoch)}
+
+    def state_dict(self) -> dict:
+        return {"score": self.score, "epoch": self.epoch, "weights": self.weights, "metrics": self.metrics}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.score, self.epoch = state["score"], state["epoch"]
+        self.weights, self.metrics = state["weights"], state["metrics"]
+
+
 # --- the module --------------------------------------------------------------------------------
 class DrafterModule(L.LightningModule):
     def __init__(self, model_cfg: Eagle3Config, train_cfg: TrainConfig, target_head: torch.Tensor | None = None):

@@ -41,7 +41,7 @@ from eaglelab.data.store import (
     state_shards_meta,
     write_token_shard,
 )
-from eaglelab.data.templates import template_prompt
+from eaglelab.data.templates import template_prompt, template_response
 from eaglelab.errors import DataError, ResourceError
 from eaglelab.limits import free_bytes, size_text
 
@@ -106,28 +106,40 @@ def prepare_features(
     features: str = "cached",
     with_final: bool = False,
     tail_tokens: int = 0,
+    source: str = "",
 ) -> tuple[Sequences, PrepareStats]:
     """Regenerated (and, for `features="cached"`, captured) sequences of `prompts`. `with_final` also stores the
     target's post-norm state (the KL loss's teacher; 25% more bytes with 3 aux layers). `render(tokenizer,
     messages) -> ids` replaces the native chat template (evaluation suites). `tail_tokens`: greedy tokens kept
     past each sequence's end, for simulated acceptance up to draft depth tail_tokens + 1
-    (`eaglelab.acceptance.tail_tokens`)."""
+    (`eaglelab.acceptance.tail_tokens`). `source` names where the prompts came from (part of the cache key).
+
+    Prompts that end with an assistant turn (`data.responses=original`) keep that turn as their response instead
+    of a regenerated one: the target only captures its states over the source's text (EAGLE-1's fixed-data
+    setting; the labels are still the target's greedy tokens, `target_next`). Such sequences have no tail."""
     cache_dir = Path(cache_dir).expanduser()
     states = features == "cached"
     stats = PrepareStats(prompts=len(prompts))
     limit = min(max_length, target.max_context)
 
     # 1. Prompts in the target's chat template; those that leave no room for a response are skipped.
-    templated, is_val = [], []
+    templated, is_val, originals = [], [], []
+    stops = sorted(stop_ids(target))  # part of what determines the sequences, and stored with them
     for messages in prompts:
+        question = messages[:-1] if messages[-1]["role"] == "assistant" else messages
         ids = (
-            render(target.tokenizer, messages) if render else template_prompt(target.tokenizer, messages, system_prompt)
+            render(target.tokenizer, question) if render else template_prompt(target.tokenizer, question, system_prompt)
         )
         if len(ids) + 8 > limit:
             stats.skipped_too_long += 1
             continue
         templated.append(ids)
         is_val.append(is_validation(messages, val_fraction))
+        if question is not messages:
+            answer = template_response(target.tokenizer, messages, system_prompt, ids, set(stops))
+            originals.append(answer[: response_budget(len(ids), max_new_tokens, limit)])
+    if originals and len(originals) != len(templated):
+        raise DataError(f"{name}: some prompts end with an assistant turn and some do not; use one kind of source")
     if stats.skipped_too_long:
         log.warning(
             "%s: skipped %d of %d prompts longer than the context (%d tokens)",
@@ -149,9 +161,10 @@ def prepare_features(
 
     # 2-3. Regeneration by the target and capture of its states, each cached under its own key. A shard whose
     # tokens and states are both missing is done in one pass (states from the forward that generated them).
-    stops = sorted(stop_ids(target))  # part of what determines the sequences, and stored with them
     regen_key = cache_key(
         v=CACHE_VERSION,
+        source=source,
+        responses=originals or "regenerate",
         target=target.fingerprint,
         prompts=templated,
         is_val=is_val,
@@ -179,13 +192,15 @@ def prepare_features(
         stats.regen_cached = is_complete(regen_dir)
         stats.capture_cached = not states or is_complete(feat_dir)
         if not stats.regen_cached:
-            fused = states and not stats.capture_cached and backend == "hf"
+            fused = states and not stats.capture_cached and backend == "hf" and not originals
             stats.shards_regenerated = _regenerate(
                 target, templated, is_val, shards, regen_dir, feat_dir if fused else None, aux_layer_ids, with_final,
                 max_new_tokens=max_new_tokens, limit=limit, batch_size=batch_size, backend=backend,
                 workdir=cache_dir / "logs" / f"regen-{regen_key}", name=name, tail_tokens=tail_tokens,
+                originals=originals or None,
             )  # fmt: skip
-            meta = {"name": name, "target": target.fingerprint, "shards": len(shards)}
+            meta = {"name": name, "source": source, "target": target.fingerprint, "shards": len(shards)}
+            meta["responses"] = "original" if originals else "regenerate"
             meta.update(stop_token_ids=stops, tail_tokens=tail_tokens)
             mark_complete(regen_dir, meta)
         t_regen = time.perf_counter() - t0
@@ -258,13 +273,16 @@ def _shard_rows(shards: list[list[int]]) -> list[tuple[str, list[int]]]:
 def _regenerate(
     target, templated, is_val, shards, regen_dir: Path, feat_dir: Path | None, aux_layer_ids, with_final, *,
     max_new_tokens, limit, batch_size, backend, workdir: Path, name: str, tail_tokens: int,
+    originals: list[list[int]] | None = None,
 ) -> int:  # fmt: skip
-    """Token shards not yet on disk (and, with `feat_dir`, their state shards from the same pass).
-    -> shards generated."""
+    """Token shards not yet on disk (and, with `feat_dir`, their state shards from the same pass); `originals`:
+    the sources' own responses, written as they are. -> shards generated."""
     todo = [i for i in range(len(shards)) if i not in shards_done(regen_dir)]
     if len(todo) < len(shards):
         log.info("%s: %d of %d shards already regenerated, kept", name, len(shards) - len(todo), len(shards))
-    if backend == "vllm":
+    if originals is not None:
+        responses = {i: [(originals[j], []) for j in shards[i]] for i in todo}
+    elif backend == "vllm":
         prompts = {i: [templated[j] for j in shards[i]] for i in todo}
         responses, _ = generate_vllm(target, prompts, max_new_tokens, limit, workdir, tail_tokens)
     bar = tqdm(desc=f"regenerate {name}", unit="tok", unit_scale=True, leave=False)
@@ -273,7 +291,7 @@ def _regenerate(
     for i in todo:
         prompts = [templated[j] for j in shards[i]]
         capture = feat_dir is not None and i not in have_states
-        if backend == "vllm":
+        if originals is not None or backend == "vllm":
             rows = [Generated(k, r, t, None) for k, (r, t) in enumerate(responses[i])]
         else:
             layers = list(aux_layer_ids) if capture else None

@@ -47,6 +47,25 @@ def template_prompt(tokenizer, messages: Messages, system_prompt: str | None) ->
     return list(ids)
 
 
+def template_response(
+    tokenizer, messages: Messages, system_prompt: str | None, prompt_ids: list[int], stops: set[int]
+) -> list[int]:
+    """The ids of a conversation's last (assistant) turn as the chat template writes it after `prompt_ids`, up to
+    and with its first stop id (where the target would end its turn)."""
+    if system_prompt is not None and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    full = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)
+    if isinstance(full, dict) or hasattr(full, "input_ids"):
+        full = full["input_ids"]
+    full = list(full)
+    if full[: len(prompt_ids)] == prompt_ids:
+        answer = full[len(prompt_ids) :]
+    else:  # a template that renders a turn differently once answered: the text itself, closed by a stop id
+        answer = [*tokenizer(messages[-1]["content"], add_special_tokens=False)["input_ids"], min(stops)]
+    end = next((i for i, t in enumerate(answer) if t in stops), None)
+    return answer if end is None else answer[: end + 1]
+
+
 def _user_text(messages: Messages) -> str:
     return "\n\n".join(m["content"] for m in messages if m["role"] == "user")
 

@@ -1,0 +1,150 @@
+"""General-chat prompts the target writes itself (Magpie, Xu et al. 2024): no hub, no data set.
+
+Given only its chat template up to where a user's text begins (the *user-turn prefix*), an instruction-tuned
+model continues with something a user would type: sampled, that is a stream of varied requests in the
+target's own notion of conversation. Each candidate ends where the target closes the user turn (a stop id);
+candidates that run out of tokens, are too short or too long, or repeat an earlier one are dropped.
+
+Candidates are generated in seeded batches and cached as they come (`<cache_dir>/prompts/self_chat/<key>/`,
+one JSONL file per batch, renamed into place when whole), so asking for more prompts later extends the same
+stream and a killed generation keeps its finished batches. The key holds everything that decides the text:
+the target, the prefix, the sampling settings and the seed. Filtering runs on read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from eaglelab.config import SelfChatSettings
+from eaglelab.data.prompts import Messages
+from eaglelab.data.regenerate import stop_ids
+from eaglelab.errors import DataError
+from eaglelab.io import atomic_write_text
+
+log = logging.getLogger("eaglelab")
+
+_SENTINEL = "\u2063EAGLELAB_USER_TEXT\u2063"  # an invisible separator: no template writes it
+
+
+SELF_CHAT_VERSION = 1  # bump when generation or filtering changes meaning
+
+
+def user_turn_prefix(tokenizer, system_prompt: str | None) -> list[int]:
+    """The chat template rendered up to the first character of a user's text (system turn included)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError("data source self_chat needs a target with a chat template; remove self_chat from data.sources")
+    messages = [{"role": "user", "content": _SENTINEL}]
+    if system_prompt is not None:
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    prefix = text[: text.index(_SENTINEL)]
+    return list(tokenizer(prefix, add_special_tokens=False)["input_ids"])
+
+
+def _normalized(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", " ", text.lower()).strip()
+
+
+def keep(candidates: list[dict], count: int, settings: SelfChatSettings) -> list[str]:
+    """The first `count` candidates that closed their turn, have a sensible length and are new: exact repeats
+    and near-repeats (same first 48 normalized characters, how a sampled stream usually repeats) are dropped."""
+    out, seen = [], set()
+    for c in candidates:
+        text = c["text"].strip()
+        if not c["closed"] or not settings.min_chars <= len(text) <= settings.max_chars or len(text.split()) < 3:
+            continue
+        norm = _normalized(text)
+        if not norm or norm in seen or norm[:48] in seen:
+            continue
+        seen.update((norm, norm[:48]))
+        out.append(text)
+        if len(out) == count:
+            break
+    return out
+
+
+@torch.no_grad()
+def _sample_batch(target, prefix: list[int], stops: set[int], settings: SelfChatSettings, seed: int) -> list[dict]:
+    """One batch of candidates from the same prefix: the rows differ only by their sampled tokens."""
+    model = target.model
+    device = next(model.parameters()).device
+    ids = torch.tensor([prefix] * settings.batch_size, device=device)
+    with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
+        torch.manual_seed(seed)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            top_k=0,
+            max_new_tokens=settings.max_new_tokens,
+            eos_token_id=sorted(stops),
+            pad_token_id=sorted(stops)[0],
+        )
+    rows = []
+    for row in out[:, len(prefix) :].tolist():
+        end = next((i for i, t in enumerate(row) if t in stops), None)
+        text = target.tokenizer.decode(row if end is None else row[:end], skip_special_tokens=True)
+        rows.append({"text": text, "closed": end is not None})
+    return rows
+
+
+def self_chat_prompts(
+    target,
+    count: int,
+    *,
+    cache_dir: str | Path,
+    system_prompt: str | None,
+    seed: int,
+    settings: SelfChatSettings | None = None,
+) -> list[Messages]:
+    """`count` distinct user requests the target wrote, as single-turn conversations (fewer, with a warning, if
+    the target keeps repeating itself)."""
+    from eaglelab.data.prepare import cache_key  # the one hashing rule of every cache entry
+
+    settings = settings or SelfChatSettings()
+    prefix = user_turn_prefix(target.tokenizer, system_prompt)
+    stops = stop_ids(target)
+    key = cache_key(source="self_chat", v=SELF_CHAT_VERSION, target=target.fingerprint, prefix=prefix,
+                    stops=sorted(stops), seed=seed, settings=asdict(settings))  # fmt: skip
+    folder = Path(cache_dir).expanduser() / "prompts" / "self_chat" / key
+    folder.mkdir(parents=True, exist_ok=True)
+    candidates: list[dict] = []
+    # Duplicates grow as the stream goes on; past this many batches the target has little new to say.
+    max_batches = 4 + 4 * -(-count // settings.batch_size)
+    bar = None
+    for b in range(max_batches):
+        kept = len(keep(candidates, count, settings))
+        if kept >= count:
+            break
+        if b >= 2 and kept * max_batches < count * b:  # at this rate the stream cannot make `count`: stop early
+            break
+        path = folder / f"batch-{b:05d}.jsonl"
+        if not path.exists():
+            if bar is None:
+                bar = tqdm(total=count, desc="self_chat prompts", unit="prompt", leave=False)
+            rows = _sample_batch(target, prefix, stops, settings, seed=seed * 1_000_003 + b)
+            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+        candidates += [json.loads(line) for line in path.read_text().splitlines()]
+        if bar is not None:
+            bar.n = min(len(keep(candidates, count, settings)), count)
+            bar.refresh()
+    if bar is not None:
+        bar.close()
+    texts = keep(candidates, count, settings)
+    if len(texts) < count:
+        log.warning(
+            "self_chat: the target wrote %d distinct requests in %d candidates, %d were asked for",
+            len(texts),
+            len(candidates),
+            count,
+        )
+    return [[{"role": "user", "content": t}] for t in texts]
