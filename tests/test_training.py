@@ -187,3 +187,45 @@ def test_keep_best_restores_the_weights_and_metrics_of_the_best_validation_pass(
     resumed = KeepBest("val/acceptance_length@k3")
     resumed.load_state_dict(state)
     assert resumed.epoch == 1 and torch.equal(resumed.weights["weight"], module.seen[1])
+
+
+def test_the_drafter_can_start_at_the_targets_last_layer_and_keep_its_lm_head_frozen():
+    """drafter.init_layers_from_target copies the target's last decoder layer (both halves of the 2H q/k/v input
+    read the target's q/k/v); train.freeze_lm_head leaves lm_head and the final norm without a gradient, while the
+    layer and fc get one."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eaglelab.drafter import DrafterFlags, Eagle3Config
+    from eaglelab.targets import Target
+    from eaglelab.trainer import init_from_target
+
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=H_T,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=4,
+            vocab_size=VOCAB,
+        )
+    )
+    target = Target(path=None, fingerprint="", model=llama, tokenizer=None)
+    model_cfg = Eagle3Config.for_target(
+        DrafterFlags(), llama.config, aux_layer_ids=(1, 2, 3), draft_vocab_size=DRAFT_VOCAB, max_context=64
+    )
+    module = DrafterModule(model_cfg, TrainConfig(freeze_lm_head=True, ttt_steps=2))
+    weights = target.weights(last_layers=1)
+    init_from_target(module, weights, torch.arange(DRAFT_VOCAB), init_lm_head=True, init_layers=True)
+    layer, last = module.drafter.layers[0], llama.model.layers[-1]
+    assert torch.equal(layer.mlp.down_proj.weight, last.mlp.down_proj.weight)
+    assert torch.equal(layer.self_attn.o_proj.weight, last.self_attn.o_proj.weight)
+    for half in (slice(0, H_T), slice(H_T, 2 * H_T)):
+        assert torch.equal(layer.self_attn.k_proj.weight[:, half], last.self_attn.k_proj.weight)
+    assert torch.equal(layer.hidden_norm.weight, last.input_layernorm.weight)
+
+    # the optimiser takes the parameters that require a gradient (DrafterModule.configure_optimizers)
+    module.train()
+    module.ttt(hand_batch(), 2)[0].backward()
+    assert module.drafter.lm_head.weight.grad is None and module.drafter.norm.weight.grad is None
+    assert layer.mlp.up_proj.weight.grad.abs().sum() > 0 and module.drafter.fc.weight.grad.abs().sum() > 0

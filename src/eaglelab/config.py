@@ -89,6 +89,9 @@ class DrafterConfig(DrafterFlags):
     aux_layer_ids: list[int] | None = None  # None: vLLM's default (2, L//2, L-3); checked against the target's L
     draft_vocab_size: int = 8192  # at most the target's vocabulary
     init_lm_head_from_target: bool = True  # start lm_head at the target's rows for the draft vocab
+    # start the decoder layer(s) at the target's last layer(s): attention (both halves of the first layer's 2H
+    # input read the target's q/k/v), MLP and norms; fc stays random (eaglelab.trainer.init_from_target)
+    init_layers_from_target: bool = False
 
     def __post_init__(self):
         try:
@@ -181,6 +184,7 @@ class TrainConfig:
     step_decay: float = 0.8  # weight of draft step j is step_decay**(j-1)
     lr: float = 1e-3
     weight_decay: float = 0.0
+    freeze_lm_head: bool = False  # keep lm_head and the final norm at their initialisation (the target's rows)
     warmup_steps: int = 20
     batch_size: int = 2
     epochs: int = 8

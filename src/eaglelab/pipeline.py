@@ -128,7 +128,7 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
     use_vllm, backend = vllm_wanted(cfg), regen_backend(cfg)  # a required but missing vLLM fails now
     with timer("convert"):  # the target (SmolLM2's GGUF converted once, then cached), where training runs
         target = load_target(cfg.target, cfg.paths.cache_dir, device=target_device(cfg.train.accelerator))
-    weights = target.weights()
+    weights = target.weights(last_layers=cfg.drafter.num_layers if cfg.drafter.init_layers_from_target else 0)
     # 1. The drafter's config: built for this target, or the checkpoint's when only evaluating.
     drafter = load_to_evaluate(cfg, target, weights) if cfg.checkpoint else None
     model_cfg = drafter.cfg if drafter else build_model_config(cfg, target)

@@ -10,7 +10,7 @@ import hashlib
 import importlib.util
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,6 +35,9 @@ class TargetWeights:
     embed: torch.Tensor  # [V, H] input embeddings, shared with the drafter (frozen)
     lm_head: torch.Tensor  # [V, H] the drafter's lm_head starts at its draft-vocab rows; the KL teacher
     norm: torch.Tensor  # [H] final norm weight
+    # The last decoder layers' weights in Hugging Face Llama naming (`self_attn.q_proj.weight`, ...), last layer
+    # last; only when the drafter starts from them (drafter.init_layers_from_target), else empty.
+    layers: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -70,11 +73,14 @@ class Target:
         # leave 1..L-1, and vLLM collects each id once, in order: the distinct ones, sorted.
         return sorted({i for i in (2, L // 2, L - 3) if 1 <= i <= L - 1})
 
-    def weights(self) -> TargetWeights:
+    def weights(self, last_layers: int = 0) -> TargetWeights:
+        """What training keeps of the target; `last_layers`: also the weights of its last n decoder layers."""
+        layers = self.model.model.layers[len(self.model.model.layers) - last_layers :] if last_layers else []
         return TargetWeights(
             embed=self.model.get_input_embeddings().weight.detach(),
             lm_head=self.model.get_output_embeddings().weight.detach(),
             norm=self.model.model.norm.weight.detach(),
+            layers=[{k: v.detach() for k, v in layer.state_dict().items()} for layer in layers],
         )
 
 

@@ -67,7 +67,9 @@ def train_drafter(
         model_cfg.draft_vocab_size,
     )
     module = DrafterModule(model_cfg, cfg.train)
-    module.target_head = init_from_target(module, target, draft_ids, cfg.drafter.init_lm_head_from_target)
+    module.target_head = init_from_target(
+        module, target, draft_ids, cfg.drafter.init_lm_head_from_target, cfg.drafter.init_layers_from_target
+    )
     if features.states is None and online is None:
         raise EaglelabError("these sequences have no cached states and no target was given to compute them")
     module.online = online
@@ -130,9 +132,11 @@ def readable_checkpoint(ckpt: Path) -> dict | None:
         return None
 
 
-def init_from_target(module, target: TargetWeights, draft_ids: torch.Tensor, init_lm_head: bool) -> torch.Tensor:
-    """Share the target's embeddings (frozen); optionally start lm_head/norm at the target's.
-    Returns the target's lm_head rows of the draft vocab (the KL teacher)."""
+def init_from_target(
+    module, target: TargetWeights, draft_ids: torch.Tensor, init_lm_head: bool, init_layers: bool = False
+) -> torch.Tensor:
+    """Share the target's embeddings (frozen); optionally start lm_head/norm and the decoder layers at the
+    target's. Returns the target's lm_head rows of the draft vocab (the KL teacher)."""
     d = module.drafter
     d.set_vocab(draft_ids)
     d.embed_tokens.weight.data.copy_(target.embed.float())
@@ -140,7 +144,30 @@ def init_from_target(module, target: TargetWeights, draft_ids: torch.Tensor, ini
     if init_lm_head:
         d.lm_head.weight.data.copy_(head)
         d.norm.weight.data.copy_(target.norm.float())
+    if init_layers:
+        init_layers_from_target(d, target.layers)
     return head
+
+
+def init_layers_from_target(drafter: Eagle3Drafter, layers: list[dict[str, torch.Tensor]]) -> None:
+    """Drafter layer i starts at the target's layer L - n + i (n drafter layers): the drafter's output feeds the
+    target's final norm and lm_head, so its layer starts as the one that feeds them in the target. The first
+    layer reads [embed ; hidden] (2H): both halves start at the target's q/k/v, so at step 0 it attends as the
+    target's layer would to the sum of the token and the fused state; hidden_norm starts at input_layernorm."""
+    if len(layers) != len(drafter.layers):
+        raise EaglelabError(
+            f"drafter.init_layers_from_target needs the target's last {len(drafter.layers)} layers, got {len(layers)}"
+        )
+    for layer, source in zip(drafter.layers, layers):
+        source = {k: v.float() for k, v in source.items()}
+        own = layer.state_dict()
+        for name, tensor in own.items():
+            if name == "hidden_norm.weight":
+                tensor.copy_(source["input_layernorm.weight"])
+            elif layer.first and name in {f"self_attn.{p}_proj.weight" for p in "qkv"}:
+                tensor.copy_(torch.cat([source[name], source[name]], dim=1))  # [out, 2H]: embedding half, hidden half
+            else:
+                tensor.copy_(source[name])
 
 
 def make_trainer(cfg: RunConfig, run_dir: Path, loggers: list | bool, extra_callbacks: list | None = None):

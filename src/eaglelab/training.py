@@ -187,6 +187,9 @@ class DrafterModule(L.LightningModule):
         self.save_hyperparameters({"model": model_cfg.to_dict(), "train": vars(train_cfg)})
         self.train_cfg = train_cfg
         self.drafter = Eagle3Drafter(model_cfg)
+        if train_cfg.freeze_lm_head:  # the output space stays the target's: half the parameters, none of them learnt
+            for p in (*self.drafter.lm_head.parameters(), *self.drafter.norm.parameters()):
+                p.requires_grad_(False)
         # Target lm_head rows of the draft vocab [V_draft, H_t], frozen: the KL loss's teacher.
         self.register_buffer(
             "target_head", target_head if target_head is not None else torch.zeros(0), persistent=False
