@@ -26,7 +26,7 @@ from eaglelab.config import SelfChatSettings
 from eaglelab.data.prompts import Messages
 from eaglelab.data.regenerate import stop_ids
 from eaglelab.errors import DataError
-from eaglelab.io import atomic_write_text
+from eaglelab.io import atomic_write_text, file_lock
 
 log = logging.getLogger("eaglelab")
 
@@ -121,22 +121,27 @@ def self_chat_prompts(
     # Duplicates grow as the stream goes on; past this many batches the target has little new to say.
     max_batches = 4 + 4 * -(-count // settings.batch_size)
     bar = None
-    for b in range(max_batches):
-        kept = len(keep(candidates, count, settings))
-        if kept >= count:
-            break
-        if b >= 2 and kept * max_batches < count * b:  # at this rate the stream cannot make `count`: stop early
-            break
-        path = folder / f"batch-{b:05d}.jsonl"
-        if not path.exists():
-            if bar is None:
-                bar = tqdm(total=count, desc="self_chat prompts", unit="prompt", leave=False)
-            rows = _sample_batch(target, prefix, stops, settings, seed=seed * 1_000_003 + b)
-            atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
-        candidates += [json.loads(line) for line in path.read_text().splitlines()]
-        if bar is not None:
-            bar.n = min(len(keep(candidates, count, settings)), count)
-            bar.refresh()
+    # Under the entry's lock: concurrent trials and the processes of a DDP run write each batch once, the others
+    # wait and read it.
+    with file_lock(Path(cache_dir).expanduser() / "locks" / f"self_chat-{key}.lock"):
+        for b in range(max_batches):
+            kept = len(keep(candidates, count, settings))
+            if bar is not None:
+                bar.n = min(kept, count)
+                bar.refresh()
+            if kept >= count:
+                break
+            if b >= 2 and kept * max_batches < count * b:  # at this rate the stream cannot make `count`: stop early
+                break
+            path = folder / f"batch-{b:05d}.jsonl"
+            if not path.exists():
+                if bar is None:
+                    bar = tqdm(
+                        total=count, initial=min(kept, count), desc="self_chat prompts", unit="prompt", leave=False
+                    )
+                rows = _sample_batch(target, prefix, stops, settings, seed=seed * 1_000_003 + b)
+                atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+            candidates += [json.loads(line) for line in path.read_text().splitlines()]
     if bar is not None:
         bar.close()
     texts = keep(candidates, count, settings)
