@@ -130,11 +130,12 @@ def test_suites_are_config_group_entries(tmp_path):
         ("data.shard_size=0", "data.shard_size must be > 0"),
         ("data.val_fraction=0", "train.keep=best chooses by validation τ .* or set train.keep=last"),
         ("data.self_chat.temperature=0", "data.self_chat needs temperature > 0"),
+        ("train.freeze_lm_head=true drafter.init_lm_head_from_target=false", "would keep a random lm_head"),
     ],
 )
 def test_bad_values_fail_with_the_key_named(override, message, tmp_path):
     with pytest.raises(ConfigError, match=message):
-        compose([override], tmp_path, tmp_path / "r")
+        compose(override.split(" "), tmp_path, tmp_path / "r")  # one or more overrides
 
 
 @pytest.mark.parametrize(

@@ -196,8 +196,9 @@ def test_the_drafter_can_start_at_the_targets_last_layer_and_keep_its_lm_head_fr
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from eaglelab.drafter import DrafterFlags, Eagle3Config
+    from eaglelab.errors import EaglelabError
     from eaglelab.targets import Target
-    from eaglelab.trainer import init_from_target
+    from eaglelab.trainer import init_from_target, init_layers_from_target
 
     torch.manual_seed(0)
     llama = LlamaForCausalLM(
@@ -223,6 +224,9 @@ def test_the_drafter_can_start_at_the_targets_last_layer_and_keep_its_lm_head_fr
     for half in (slice(0, H_T), slice(H_T, 2 * H_T)):
         assert torch.equal(layer.self_attn.k_proj.weight[:, half], last.self_attn.k_proj.weight)
     assert torch.equal(layer.hidden_norm.weight, last.input_layernorm.weight)
+    not_llama = {k: v for k, v in weights.layers[0].items() if not k.startswith("mlp.")}
+    with pytest.raises(EaglelabError, match=r"has no mlp\.down_proj\.weight.*init_layers_from_target=false"):
+        init_layers_from_target(module.drafter, [not_llama])
 
     # the optimiser takes the parameters that require a gradient (DrafterModule.configure_optimizers)
     module.train()

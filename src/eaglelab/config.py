@@ -388,6 +388,11 @@ class RunConfig:
                 "train.keep=best chooses by validation τ and data.val_fraction=0 leaves none; raise data.val_fraction "
                 "or set train.keep=last"
             )
+        if self.train.freeze_lm_head and not self.drafter.init_lm_head_from_target:
+            raise ConfigError(
+                "train.freeze_lm_head would keep a random lm_head (drafter.init_lm_head_from_target=false); set "
+                "drafter.init_lm_head_from_target=true or train.freeze_lm_head=false"
+            )
         check_depths_and_lengths(self)
 
 

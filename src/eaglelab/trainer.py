@@ -161,6 +161,12 @@ def init_layers_from_target(drafter: Eagle3Drafter, layers: list[dict[str, torch
     for layer, source in zip(drafter.layers, layers):
         source = {k: v.float() for k, v in source.items()}
         own = layer.state_dict()
+        expected = {"input_layernorm.weight" if n == "hidden_norm.weight" else n for n in own}
+        if missing := sorted(expected - source.keys()):
+            raise EaglelabError(
+                f"drafter.init_layers_from_target: the target's layer has no {', '.join(missing)} (not a Llama-style "
+                "layer); set drafter.init_layers_from_target=false"
+            )
         for name, tensor in own.items():
             if name == "hidden_norm.weight":
                 tensor.copy_(source["input_layernorm.weight"])
