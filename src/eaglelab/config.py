@@ -90,7 +90,7 @@ class DrafterConfig(DrafterFlags):
     draft_vocab_size: int = 8192  # at most the target's vocabulary
     init_lm_head_from_target: bool = True  # start lm_head at the target's rows for the draft vocab
     # start the decoder layer(s) at the target's last layer(s): attention (both halves of the first layer's 2H
-    # input read the target's q/k/v), MLP and norms; fc stays random (eaglelab.trainer.init_from_target)
+    # input read the target's q/k/v), MLP and norms; fc stays random (eaglelab.trainer.init_layers_from_target)
     init_layers_from_target: bool = False
 
     def __post_init__(self):
