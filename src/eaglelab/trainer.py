@@ -159,21 +159,19 @@ def init_layers_from_target(drafter: Eagle3Drafter, layers: list[dict[str, torch
             f"drafter.init_layers_from_target needs the target's last {len(drafter.layers)} layers, got {len(layers)}"
         )
     for layer, source in zip(drafter.layers, layers):
-        source = {k: v.float() for k, v in source.items()}
         own = layer.state_dict()
-        expected = {"input_layernorm.weight" if n == "hidden_norm.weight" else n for n in own}
-        if missing := sorted(expected - source.keys()):
+        # each drafter weight's name in the target's layer (copy_ casts: no float copy of the whole layer)
+        names = {n: "input_layernorm.weight" if n == "hidden_norm.weight" else n for n in own}
+        if missing := sorted(set(names.values()) - source.keys()):
             raise EaglelabError(
                 f"drafter.init_layers_from_target: the target's layer has no {', '.join(missing)} (not a Llama-style "
                 "layer); set drafter.init_layers_from_target=false"
             )
         for name, tensor in own.items():
-            if name == "hidden_norm.weight":
-                tensor.copy_(source["input_layernorm.weight"])
-            elif layer.first and name in {f"self_attn.{p}_proj.weight" for p in "qkv"}:
-                tensor.copy_(torch.cat([source[name], source[name]], dim=1))  # [out, 2H]: embedding half, hidden half
-            else:
-                tensor.copy_(source[name])
+            weight = source[names[name]]
+            if layer.first and name in {f"self_attn.{p}_proj.weight" for p in "qkv"}:
+                weight = torch.cat([weight, weight], dim=1)  # [out, 2H]: embedding half, hidden half
+            tensor.copy_(weight)
 
 
 def make_trainer(cfg: RunConfig, run_dir: Path, loggers: list | bool, extra_callbacks: list | None = None):
