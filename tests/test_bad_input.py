@@ -86,11 +86,34 @@ def bad_files(cache_dir, tmp_path_factory) -> Path:
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(overrides, message, bad_files, cache_dir, tmp_path):
+    """Each bad input through what the CLI calls (`compose`, then `pipeline.run`): an EaglelabError of one line
+    naming the fix. src/run.py prints such an error as its one `error:` line and exits 2, whatever the error: that
+    contract is proven through the real CLI by the tests below and by CLI_CASES (which fail before `run`)."""
+    from eaglelab.errors import EaglelabError
+    from eaglelab.pipeline import run
+
+    from conftest import compose
+
+    cli = overrides in CLI_CASES
     overrides = [o.replace("{bad}", str(bad_files)) for o in overrides]
-    proc = run_cli([*SMOKE, *overrides], cache_dir, tmp_path)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert message in error_line(proc.returncode, proc.stderr)
+    if cli:
+        proc = run_cli([*SMOKE, *overrides], cache_dir, tmp_path)
+        assert message in error_line(proc.returncode, proc.stderr)
+    else:
+        with pytest.raises(EaglelabError) as e:
+            run(compose([*SMOKE, *overrides], cache_dir, tmp_path / "run"))
+        assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert_nothing_looks_complete(tmp_path)
+
+
+# Checked before the pipeline runs (the results folder, by the sweep preflight and the CLI), and two of the
+# pipeline's own errors as the user meets them: through the real CLI.
+CLI_CASES = [
+    ["drafter.norm_before_fc=true"],
+    ["data.sources=[wikipedia]"],
+    ["paths.results_dir={bad}/a_file/results"],
+    ["paths.results_dir=/proc/eaglelab"],
+]
 
 
 @pytest.mark.parametrize(

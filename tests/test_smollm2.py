@@ -17,9 +17,26 @@ from eaglelab.targets import load_target
 from conftest import compose
 
 
+def native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX); without, torch and vLLM emulate it."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
+
+
+# The default's bfloat16 (target and bf16-mixed training) where the CPU has it; float32 elsewhere: on an AVX2-only
+# CPU (Zen 3) emulated bf16 made this fixture 352 s, most of it in regeneration, vLLM and training.
+BF16 = native_bf16()
+DTYPE = "bfloat16" if BF16 else "float32"
+
+
 @pytest.fixture(scope="module")
 def smollm2_run(cache_dir, tmp_path_factory):
     overrides = [
+        f"target.dtype={DTYPE}",
+        f"train.precision={'bf16-mixed' if BF16 else '32-true'}",
         "data.num_prompts=6",
         "data.sources=[stdlib_docstrings,self_chat]",  # half of them written by SmolLM2 itself
         "data.self_chat.batch_size=4",
@@ -49,7 +66,7 @@ def test_capture_uses_vllm_layer_ids(smollm2_run, cache_dir):
     """vLLM id k = hidden state after k layers = HF hidden_states[k]; the hooks must grab exactly it."""
     from eaglelab.config import TargetConfig
 
-    target = load_target(TargetConfig(kind="smollm2"), cache_dir)  # converted by the run above
+    target = load_target(TargetConfig(kind="smollm2", dtype=DTYPE), cache_dir)  # converted by the run above
     ids = target.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Say hi."}], add_generation_prompt=True, tokenize=True
     )
@@ -63,11 +80,11 @@ def test_capture_uses_vllm_layer_ids(smollm2_run, cache_dir):
 
 
 def test_simulated_acceptance_matches_vllm_on_the_embedded_target(smollm2_run):
-    """SmolLM2 in bf16, the same prompts, checkpoint and budgets, k = 1, 3, 8 (past the trained depth and past
-    each sequence's end): τ agrees within 2 %. Not exactly: vLLM verifies k+1 tokens per forward, and bf16 rounds
-    differently from the one-token decode that regenerated the responses, so near-ties flip (measured with the
-    default drafter on 32 HumanEval prompts: |Δτ| 0.3-1.4 %, 53-75 % identical outputs; on this fixture's 4 short
-    prompts the counts were identical at every k: docs/conventions.md#measuring-acceptance)."""
+    """SmolLM2 in bf16 (float32 on a CPU without native bf16), the same prompts, checkpoint and budgets, k = 1, 3, 8
+    (past the trained depth and past each sequence's end): τ agrees within 2 %. Not exactly: vLLM verifies k+1 tokens
+    per forward, and bf16 rounds differently from the one-token decode that regenerated the responses, so near-ties
+    flip (measured with the default drafter on 32 HumanEval prompts: |Δτ| 0.3-1.4 %, 53-75 % identical outputs; on
+    this fixture's 4 short prompts the counts were identical at every k: docs/conventions.md#measuring-acceptance)."""
     import csv
 
     with open(smollm2_run / "parity.csv") as f:
@@ -85,7 +102,7 @@ def test_self_chat_requests_are_written_cached_extended_and_trained_on(smollm2_r
     (asking again generates nothing; asking for more extends the same stream), and the run trained on them."""
     from eaglelab.config import TargetConfig
 
-    target = load_target(TargetConfig(kind="smollm2"), cache_dir)
+    target = load_target(TargetConfig(kind="smollm2", dtype=DTYPE), cache_dir)
     settings = SelfChatSettings(batch_size=4)  # as the run above
     (folder,) = (cache_dir / "prompts" / "self_chat").iterdir()
     written = {p: p.stat().st_mtime_ns for p in folder.glob("batch-*.jsonl")}

@@ -56,13 +56,26 @@ def test_every_run_is_evaluated_in_vllm(evaluated_run):
     assert {f"vllm/speedup@k{K}@c{c}" for c in (1, 4, 16)} <= set(metrics)
 
 
+# Draft and accepted counts, simulated against vLLM, may differ by this many at one k: near-ties that float32 kernels
+# resolve apart. On an AVX-512 CPU (Zen 4) every count was identical; on an AVX2 one (Zen 3) one k of the smoke
+# drafter's eight differed by 2 rounds in 92 (42 30 23 accepted per position against 43 28 22, identical outputs):
+# torch's and vLLM's GEMMs sum in other orders, and a draft whose top-2 logits lie within ~1e-6 goes the other way.
+NEAR_TIES = 2
+
+
+def exact(row: dict) -> bool:
+    return all(row[f"{what}_simulated"] == row[f"{what}_vllm"] for what in ("drafts", "accepted", "accepted_per_pos"))
+
+
 def assert_same_counts(row: dict) -> None:
-    """One parity.csv row: both evaluators decoded the same text and counted the same drafts, accepted drafts
-    and accepted drafts per position (the tiny target is float32: no bf16 rounding between HF and vLLM)."""
+    """One parity.csv row: both evaluators decoded the same text (the tiny target is float32: no bf16 rounding between
+    HF and vLLM) and counted the same drafts, accepted drafts and accepted drafts per position, up to NEAR_TIES."""
     assert float(row["same_output_share"]) == 1.0, row
-    for what in ("drafts", "accepted", "accepted_per_pos"):
-        assert row[f"{what}_simulated"] == row[f"{what}_vllm"], (what, row)
-    assert float(row["relative_difference"]) == 0.0, row
+    for what in ("drafts", "accepted"):
+        assert abs(int(row[f"{what}_simulated"]) - int(row[f"{what}_vllm"])) <= NEAR_TIES, (what, row)
+    per_pos = [row[f"accepted_per_pos_{e}"].split() for e in ("simulated", "vllm")]
+    assert len(per_pos[0]) == len(per_pos[1]), row
+    assert all(abs(int(a) - int(b)) <= NEAR_TIES for a, b in zip(*per_pos)), row
 
 
 def test_simulated_acceptance_matches_vllm(evaluated_run):
@@ -73,9 +86,13 @@ def test_simulated_acceptance_matches_vllm(evaluated_run):
     for k, row in parity.items():
         print(f"k={k}: drafts {row['drafts_simulated']}/{row['drafts_vllm']} tau_sim={float(row['tau_simulated']):.4f}")
         assert_same_counts(row)
+    assert sum(map(exact, parity.values())) >= len(parity) - 2, parity  # near-ties are rare: most k are exact
     assert int(parity[8]["accepted_vllm"]) > int(parity[1]["accepted_vllm"]) > 0  # deeper drafts were accepted
     metrics = json.loads((evaluated_run / "metrics.json").read_text())
-    assert metrics["parity/draft_count_mismatches"] == metrics["parity/accepted_count_mismatches"] == 0
+    for what in ("draft", "accepted"):  # metrics.json counts the rows parity.csv shows differing
+        column = "drafts" if what == "draft" else what
+        differ = sum(r[f"{column}_simulated"] != r[f"{column}_vllm"] for r in parity.values())
+        assert metrics[f"parity/{what}_count_mismatches"] == differ
 
 
 def test_eagle3_export_loads_in_vllm(cache_dir, tmp_path):
@@ -100,9 +117,17 @@ def test_eagle3_export_loads_in_vllm(cache_dir, tmp_path):
     assert_same_counts(parity)
 
 
-def simulated_tau(run_dir, k):
+def simulated_row(run_dir, k):
     (row,) = [r for r in read_csv(run_dir / "acceptance.csv") if r["evaluator"] == "simulated" and int(r["k"]) == k]
-    return float(row["acceptance_length"])
+    return row
+
+
+def simulated_tau(run_dir, k):
+    return float(simulated_row(run_dir, k)["acceptance_length"])
+
+
+def simulated_accepted(run_dir, k):
+    return int(simulated_row(run_dir, k)["accepted"])
 
 
 AUX = [1, 3, 6]  # the tiny target (L = 8): vLLM's default is [2, 4, 5], no id shared
@@ -145,15 +170,18 @@ def test_non_default_aux_layer_ids_draft_in_vllm(leaning_run, cache_dir, tmp_pat
     )
     (relabelled / "config.json").write_text(json.dumps(exported))
     fallback = ["experiment=smoke", f"checkpoint={relabelled}", "eval.vllm.enabled=false", *no_extras]
-    tau_default = simulated_tau(run(compose(fallback, cache_dir, tmp_path / "fallback")), K)
+    fallback_dir = run(compose(fallback, cache_dir, tmp_path / "fallback"))
+    tau_default, accepted_default = simulated_tau(fallback_dir, K), simulated_accepted(fallback_dir, K)
 
     (parity,) = read_csv(run_dir / "parity.csv")
     tau_sim, tau_vllm = float(parity["tau_simulated"]), float(parity["tau_vllm"])
     print(f"k={K}: tau_sim={tau_sim:.4f} tau_vllm={tau_vllm:.4f} tau_sim(default ids {default})={tau_default:.4f}")
-    # A fallback would put τ_vLLM at τ_default, which exact parity tells from τ_sim.
+    # A fallback would put τ_vLLM at τ_default: vLLM's count must be nearer the trained ids' than the default ids'.
     assert tau_default != tau_sim, f"aux ids do not matter to this drafter: {parity}"
     assert int(parity["drafts_vllm"]) > 0
     assert_same_counts(parity)
+    accepted_vllm = int(parity["accepted_vllm"])
+    assert abs(accepted_vllm - int(parity["accepted_simulated"])) < abs(accepted_vllm - accepted_default), parity
 
 
 def test_standalone_export_of_a_lightning_checkpoint(evaluated_run, tmp_path):
@@ -209,18 +237,15 @@ def test_evaluate_a_checkpoint_on_its_own(evaluated_run, cache_dir, tmp_path):
     assert set(parity) == {("humaneval", ""), ("long_context", "128"), ("long_context", "384")} | {
         ("templates", c) for c in ("native", "no_template")
     }
-    assert_same_counts(parity[("humaneval", "")])
     exact = 0
     for row in parity.values():
-        # Suite groups: within one drafting round. Measured: exact in every group but templates/no_template, where
+        # Every group within NEAR_TIES. Measured on Zen 4: exact in every group but templates/no_template, where
         # vLLM counts 206 rounds and 46 accepted drafts against the simulator's 207 and 45, with identical outputs:
         # one first-step draft with a top-2 logit margin of 5e-4 resolves the other way in vLLM's float32 kernels
-        # (docs/conventions.md#measuring-acceptance).
-        assert float(row["same_output_share"]) == 1.0, row
-        assert abs(int(row["drafts_simulated"]) - int(row["drafts_vllm"])) <= 1, row
-        assert abs(int(row["accepted_simulated"]) - int(row["accepted_vllm"])) <= 1, row
+        # (docs/conventions.md#measuring-acceptance); on Zen 3 the held-out group too (NEAR_TIES).
+        assert_same_counts(row)
         exact += row["accepted_per_pos_simulated"] == row["accepted_per_pos_vllm"]
-    assert exact >= len(parity) - 1, parity
+    assert exact >= len(parity) - 2, parity  # near-ties are rare: most groups are exact
 
 
 def evaluate_in_vllm_at(checkpoint, cache_dir, root, k=K):
@@ -265,6 +290,8 @@ def test_vllm_honours_each_eagle31_flag(leaning_run, cache_dir, tmp_path, flag):
     print(f"{flag} off: tau_vllm={float(row['tau_vllm']):.4f} (on: {float(original['tau_vllm']):.4f})")
     assert row["accepted_vllm"] != original["accepted_vllm"], "vLLM ignored the flag (or the drafter does not use it)"
     assert_same_counts(row)
+    flipped_vllm = int(row["accepted_vllm"])  # nearer the flipped drafter's simulated count than the unflipped engine's
+    assert abs(flipped_vllm - int(row["accepted_simulated"])) < abs(flipped_vllm - int(original["accepted_vllm"])), row
 
 
 def test_a_two_layer_drafter_drafts_in_vllm(cache_dir, tmp_path):

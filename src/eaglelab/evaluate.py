@@ -205,7 +205,7 @@ def evaluate_in_vllm(
         "dtype": dtype,
         "max_model_len": max_model_len,
         "enforce_eager": enforce_eager,
-        "engines": len(ks) + (len(throughput_ks) + bool(throughput_ks)) * len(concurrencies),
+        "engines": len(set(ks) | set(throughput_ks)) + bool(throughput_ks),  # one per depth, one without drafts
     }
     result = run_engine(job, workdir, timeout=timeout, desc="evaluate (vLLM)")
 

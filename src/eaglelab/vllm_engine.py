@@ -17,8 +17,9 @@ Jobs (JSON):
    max_tokens}} measured separately instead of `prompts`)}
       -> {"acceptance": [{group, k, drafts, accepted, accepted_per_pos, outputs}],
           "throughput": [{method, k, concurrency, prompts, output_tokens, seconds}]}
-Concurrency c means an engine with max_num_seqs = c and all requests submitted at once (continuous
-batching keeps c in flight, as `vllm bench serve --max-concurrency c` does).
+Concurrency c means at most c requests in flight: a new one is submitted as one finishes, as `vllm bench serve
+--max-concurrency c` drives a server. One engine per drafter depth serves every c (and the acceptance pass at that
+k first), so an evaluation starts |ks ∪ throughput_ks| engines, plus one without speculation when speed is timed.
 """
 
 from __future__ import annotations
@@ -152,14 +153,12 @@ def _spec_counters(llm, k: int) -> tuple[int, int, list[int]]:
     )
 
 
-def _engine(job: dict, k: int | None = None, max_num_seqs: int | None = None):
+def _engine(job: dict, k: int | None = None):
     from vllm import LLM
 
     kwargs = {}
     if k is not None:
         kwargs["speculative_config"] = {"method": "eagle3", "model": job["drafter"], "num_speculative_tokens": k}
-    if max_num_seqs:
-        kwargs["max_num_seqs"] = max_num_seqs
     # CPU: no graph compile (minutes on 2 cores); GPU: CUDA graphs, as served.
     eager = job.get("enforce_eager")
     return LLM(
@@ -191,20 +190,53 @@ def _budgets(max_tokens, n: int) -> list[int]:
     return list(max_tokens) if isinstance(max_tokens, list) else [max_tokens] * n
 
 
-def _throughput(job: dict, k: int | None, c: int, prompts) -> tuple[int, float]:
-    """Output tokens and seconds for `prompts` at concurrency c (the engine lives only in this call)."""
-    llm = _engine(job, k, max_num_seqs=c)
-    _generate(llm, prompts[:1], 4)  # warm-up: first-call allocations are not decode speed
-    t0 = time.perf_counter()
-    budgets = _budgets(job["max_tokens"], len(job["prompts"]))[: len(prompts)]
-    outs = _generate(llm, prompts, budgets, job.get("stop_token_ids"))
-    return sum(len(o) for o in outs), time.perf_counter() - t0
+def _generate_at_concurrency(llm, prompts: list[list[int]], budgets: list[int], stop_token_ids, concurrency: int):
+    """Greedy outputs with at most `concurrency` requests in the engine: the next prompt is submitted as soon as one
+    finishes (continuous batching keeps c in flight, whatever the engine's max_num_seqs)."""
+    from vllm import SamplingParams
+
+    engine, waiting, index, outputs = llm.llm_engine, list(range(len(prompts))), {}, {}
+    while waiting or engine.has_unfinished_requests():
+        while waiting and engine.get_num_unfinished_requests() < concurrency:
+            i = waiting.pop(0)
+            params = SamplingParams(temperature=0.0, max_tokens=budgets[i], stop_token_ids=stop_token_ids)
+            (request_id,) = llm.enqueue([{"prompt_token_ids": prompts[i]}], params, use_tqdm=False)
+            index[request_id] = i
+        for out in engine.step():
+            if out.finished:
+                outputs[index[out.request_id]] = list(out.outputs[0].token_ids)
+    return [outputs[i] for i in range(len(prompts))]
 
 
-def _acceptance(job: dict, k: int) -> list[dict]:
-    """Counters per prompt group at draft depth k, from one engine: vLLM's counters are cumulative, so
-    each group's share is the difference across its generate call."""
-    llm = _engine(job, k)
+def _throughput(llm, job: dict, method: str, k: int | None) -> list[dict]:
+    """Output tokens and seconds at each concurrency, on one engine. Before each timed pass the prefix cache is
+    emptied, so no pass (nor the acceptance pass before it) prefills another's prompts for it."""
+    _generate(llm, job["prompts"][:1], 4)  # warm-up: first-call allocations are not decode speed
+    rows = []
+    for c in job["concurrencies"]:
+        timed = job["prompts"][: max(job["throughput_prompts"], 2 * c)]  # the caller sets it (eval.vllm)
+        budgets = _budgets(job["max_tokens"], len(job["prompts"]))[: len(timed)]
+        llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        outs = _generate_at_concurrency(llm, timed, budgets, job.get("stop_token_ids"), c)
+        seconds, tokens = time.perf_counter() - t0, sum(len(o) for o in outs)
+        rows.append(
+            {
+                "method": method,
+                "k": k or 0,
+                "concurrency": c,
+                "prompts": len(timed),
+                "output_tokens": tokens,
+                "seconds": seconds,
+            }
+        )
+        progress(f"{method} k={k or 0} c={c}: {tokens / seconds:.1f} tok/s")
+    return rows
+
+
+def _acceptance(llm, job: dict, k: int) -> list[dict]:
+    """Counters per prompt group at draft depth k: vLLM's counters are cumulative, so each group's share is the
+    difference across its generate call."""
     groups = job.get("groups") or {"": {"prompts": job["prompts"], "max_tokens": job["max_tokens"]}}
     rows, before = [], _spec_counters(llm, k)
     for name, group in groups.items():
@@ -271,39 +303,27 @@ def engine_main(job: dict) -> dict:
     # down the next engine's.
     if job["mode"] == "generate":
         return _regenerate(job)
-
-    prompts, result = job.get("prompts", []), {"acceptance": [], "throughput": []}
-
-    def throughput(method: str, k: int | None):
-        for c in job["concurrencies"]:
-            timed = prompts[: max(job["throughput_prompts"], 2 * c)]  # the caller sets it (eval.vllm)
-            tokens, seconds = _throughput(job, k, c, timed)
-            gc.collect()
-            result["throughput"].append(
-                {
-                    "method": method,
-                    "k": k or 0,
-                    "concurrency": c,
-                    "prompts": len(timed),
-                    "output_tokens": tokens,
-                    "seconds": seconds,
-                }
-            )
-            progress(f"{method} k={k or 0} c={c}: {tokens / seconds:.1f} tok/s")
-
-    job.setdefault("throughput_ks", [])
-    if job["throughput_ks"]:
-        throughput("none", None)  # the no-speculation baseline, same prompts, same process
-    for k in sorted(set(job["ks"]) | set(job["throughput_ks"])):
-        if k in job["ks"]:
-            rows = _acceptance(job, k)
-            gc.collect()
-            result["acceptance"].extend(rows)
-            drafts, accepted = sum(r["drafts"] for r in rows), sum(r["accepted"] for r in rows)
-            progress(f"k={k}: tau={1 + accepted / max(drafts, 1):.3f}")
-        if k in job["throughput_ks"]:
-            throughput("eagle3", k)
+    result = {"acceptance": [], "throughput": []}
+    ks, throughput_ks = set(job["ks"]), set(job.get("throughput_ks") or [])
+    # The no-speculation baseline first (same prompts, same process), then one engine per depth.
+    for k in ([None] if throughput_ks else []) + sorted(ks | throughput_ks):
+        acceptance, throughput = _measure(job, k, acceptance=k in ks, throughput=k is None or k in throughput_ks)
+        result["acceptance"] += acceptance
+        result["throughput"] += throughput
     return result
+
+
+def _measure(job: dict, k: int | None, acceptance: bool, throughput: bool) -> tuple[list[dict], list[dict]]:
+    """One engine drafting k tokens (None: no speculation) -> its acceptance rows, then its throughput rows."""
+    llm = _engine(job, k)
+    rows = _acceptance(llm, job, k) if acceptance else []
+    if rows:
+        drafts, accepted = sum(r["drafts"] for r in rows), sum(r["accepted"] for r in rows)
+        progress(f"k={k}: tau={1 + accepted / max(drafts, 1):.3f}")
+    timed = _throughput(llm, job, "eagle3" if k else "none", k) if throughput else []
+    del llm
+    gc.collect()
+    return rows, timed
 
 
 def main() -> None:
