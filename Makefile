@@ -4,7 +4,7 @@ export PYTHON
 
 RESULTS ?= results
 
-.PHONY: setup run test smoke paper lint
+.PHONY: setup run test test-fast smoke paper lint
 setup:
 	@bash scripts/setup.sh
 
@@ -21,6 +21,13 @@ test:
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
 	$(PYTHON) -m pytest -q tests
+
+# The edit loop: lint, then the tests that start no real run, engine, cluster or CLI process (`-m "not slow"`,
+# about a minute). CI and `make test` run everything.
+test-fast:
+	@bash scripts/setup.sh
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m pytest -q -m "not slow" tests
 
 # Every figure, table and number of paper/ regenerated from the results store, and paper/paper.pdf.
 paper:

@@ -69,10 +69,10 @@ def main():
 
     def gen(capture_layers):
         n = 0
-        for i, resp, _ in generate(target, prompts, args.gen_tokens, 4096, len(prompts), capture_layers):
-            generated.setdefault(i, resp)
-            assert generated[i] == resp  # both sides produce the same tokens
-            n += len(resp)
+        for g in generate(target, prompts, args.gen_tokens, 4096, len(prompts), capture_layers):
+            generated.setdefault(g.index, g.response)
+            assert generated[g.index] == g.response  # both sides produce the same tokens
+            n += len(g.response)
         return n
 
     bare()  # warm-up

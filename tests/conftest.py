@@ -9,6 +9,26 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# `make test-fast` runs `-m "not slow"`: the tests that start no real run, engine, cluster or CLI process (about a
+# minute). These modules start them in every test; elsewhere such tests carry @pytest.mark.slow themselves.
+SLOW_MODULES = {
+    "test_bad_input",
+    "test_benchmarks",
+    "test_faults",
+    "test_pipeline",
+    "test_results",
+    "test_slurm",
+    "test_smollm2",
+    "test_sweeps",
+    "test_vllm",
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:

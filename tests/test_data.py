@@ -23,6 +23,7 @@ def tiny(cache_dir):
     return load_target(TargetConfig(kind="tiny", dtype="float32"), cache_dir)  # as conf/target/tiny.yaml
 
 
+@pytest.mark.slow
 def test_generation_matches_hf_generate(tiny):
     """Responses are HF's greedy `generate` (each prompt with its own budget: the shortest prompt here gets 12
     tokens although the longest has room for fewer), and each tail continues greedily past the end, as an
@@ -115,6 +116,7 @@ def test_hf_dataset_saved_to_disk(tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_vllm_regeneration_backend_matches_hf(tiny, tmp_path):
     """data.regen_backend=vllm: the real engine regenerates the same greedy responses (same stop
     tokens, budget, EOS kept) and the capture pass then fills the same feature layout."""
@@ -152,6 +154,7 @@ prepare_features(tiny, prompts, cache_dir=sys.argv[2], shard_size=1, **kw)
 """
 
 
+@pytest.mark.slow
 def test_a_killed_regeneration_keeps_its_finished_shards(tiny, cache_dir, tmp_path):
     """SIGKILL in the middle of regeneration: the next attempt regenerates only the shards not yet whole."""
     import os

@@ -89,6 +89,7 @@ def test_a_failed_stage_is_reported_and_the_next_ones_run(tmp_path):
     assert "scale rehearsal crashed" in (tmp_path / "out" / "gpu_check.stderr.log").read_text()
 
 
+@pytest.mark.slow
 def test_scale_rehearsal_on_a_tiny_target(tmp_path):
     out = tmp_path / "scale.json"
     # One thread: the 2 cores are shared with other tests, where OpenMP's spin-waiting makes a step 20x slower.
@@ -115,6 +116,7 @@ def test_scale_rehearsal_on_a_tiny_target(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has nvidia-smi")
+@pytest.mark.slow
 def test_scale_rehearsal_asks_for_cuda_where_there_is_none(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.scale_rehearsal", "--device", "cuda", "--out", str(tmp_path / "s.json")],

@@ -72,6 +72,7 @@ def test_an_evaluated_checkpoint_is_not_held_to_training_lengths(tmp_path):
     assert cfg.drafter.attention_window == 2048
 
 
+@pytest.mark.slow
 def test_a_draft_depth_beyond_the_responses_is_refused_by_the_cli_before_anything_runs(cache_dir, tmp_path):
     """The issue's case: a train.ttt_steps far beyond any sequence used to run until the kernel killed it."""
     proc = run_cli([*SMOKE, "train.ttt_steps=500"], cache_dir, tmp_path)
@@ -82,6 +83,7 @@ def test_a_draft_depth_beyond_the_responses_is_refused_by_the_cli_before_anythin
 
 
 # --- precision against the device ---------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_float16_autocast_on_the_cpu_is_refused_instead_of_swapped(cache_dir, tmp_path):
     """Lightning would quietly train bf16-mixed and the run would say 16-mixed."""
     proc = run_cli([*SMOKE, "train.precision=16-mixed"], cache_dir, tmp_path)
@@ -111,6 +113,7 @@ def test_bfloat16_on_a_gpu_without_it_is_refused(monkeypatch, tmp_path):
 
 
 # --- memory -------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_run_too_large_for_memory_is_refused_before_any_work(cache_dir, tmp_path):
     """A batch × length × depth no machine holds: refused once the target's shape is known, before regeneration
     (no new cache entry), naming the three settings."""
@@ -189,6 +192,7 @@ def tmpfs(tmp_path):
         subprocess.run(["umount", str(path)], check=False)
 
 
+@pytest.mark.slow
 def test_a_cache_too_small_for_the_data_is_refused_before_regeneration(cache_dir, tmp_path, tmpfs):
     """paths.cache_dir on a filesystem that holds the target but not the captured states of the training data:
     refused before the target regenerates anything, no cache entry half-made."""
@@ -207,6 +211,7 @@ def test_a_cache_too_small_for_the_data_is_refused_before_regeneration(cache_dir
     assert_nothing_looks_complete(tmp_path / "results")
 
 
+@pytest.mark.slow
 def test_a_results_disk_that_fills_up_fails_clearly_keeps_the_last_checkpoint_and_resumes(cache_dir, tmp_path, tmpfs):
     """The run directory on a filesystem that holds one checkpoint but not the temporary of the next: one
     DiskFull line naming the folder, run.json failed, no metrics.json, no temporary left, last.ckpt whole; with

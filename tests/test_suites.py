@@ -139,6 +139,7 @@ def read_csv(path):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 def test_suites_on_a_training_run(cache_dir, tmp_path, capsys):
     """+suite=all on the tiny target, simulated evaluator; a windowed drafter is never sent to vLLM."""
     run_dir = run(

@@ -1,0 +1,38 @@
+"""Benchmarks that cannot rot: each script runs here at its smallest size, the way a user types it, so an API change
+breaks a test rather than the next person who wants the figure. (benchmarks/preemption.py and faults.py run inside
+tests/test_sweeps.py and test_slurm.py; scale_rehearsal.py inside tests/test_gpu_check.py.)"""
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def bench(script: str, *args, timeout: int = 300) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_train_throughput_at_its_smallest(tmp_path):
+    out = tmp_path / "train.json"
+    proc = bench("train_throughput.py", "--configs", "peer", "--precision", "fp32", "--steps", "1", "--repeats", "1",
+                 "--gemm-size", "256", "--json", out)  # fmt: skip
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["config"] == "peer" and row["positions_per_s"] > 0 and row["achieved_flops"] > 0
+    assert "peer" in proc.stdout and "GEMM roofline (256^3" in proc.stdout
+
+
+def test_capture_throughput_at_its_smallest(cache_dir, tmp_path):
+    out = tmp_path / "capture.json"
+    bench("capture_throughput.py", "--target", "tiny", "--cache-dir", cache_dir, "--seqs", "2", "--len", "16",
+          "--batch", "2", "--repeats", "1", "--gen-prompts", "2", "--gen-tokens", "2", "--json", out)  # fmt: skip
+    figures = json.loads(out.read_text())
+    assert figures and all(v > 0 for v in figures.values() if isinstance(v, int | float)), figures
