@@ -195,16 +195,16 @@ def _generate_at_concurrency(llm, prompts: list[list[int]], budgets: list[int], 
     finishes (continuous batching keeps c in flight, whatever the engine's max_num_seqs)."""
     from vllm import SamplingParams
 
-    engine, waiting, index, outputs = llm.llm_engine, list(range(len(prompts))), {}, {}
+    engine, waiting, outputs = llm.llm_engine, list(range(len(prompts))), {}
     while waiting or engine.has_unfinished_requests():
         while waiting and engine.get_num_unfinished_requests() < concurrency:
             i = waiting.pop(0)
             params = SamplingParams(temperature=0.0, max_tokens=budgets[i], stop_token_ids=stop_token_ids)
-            (request_id,) = llm.enqueue([{"prompt_token_ids": prompts[i]}], params, use_tqdm=False)
-            index[request_id] = i
+            # our own request id: outputs carry it back (the engine adds a suffix to the ids it makes itself)
+            engine.add_request(f"timed-{concurrency}-{i}", {"prompt_token_ids": prompts[i]}, params)
         for out in engine.step():
             if out.finished:
-                outputs[index[out.request_id]] = list(out.outputs[0].token_ids)
+                outputs[int(out.request_id.rsplit("-", 1)[1])] = list(out.outputs[0].token_ids)
     return [outputs[i] for i in range(len(prompts))]
 
 
