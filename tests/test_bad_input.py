@@ -88,7 +88,7 @@ def bad_files(cache_dir, tmp_path_factory) -> Path:
 def test_bad_input_is_one_line_and_nonzero(overrides, message, bad_files, cache_dir, tmp_path):
     """Each bad input through what the CLI calls (`compose`, then `pipeline.run`): an EaglelabError of one line
     naming the fix. src/run.py prints such an error as its one `error:` line and exits 2, whatever the error: that
-    contract is proven through the real CLI by the tests below and by CLI_CASES (which fail before `run`)."""
+    contract is proven through the real CLI by the tests below and by CLI_CASES."""
     from eaglelab.errors import EaglelabError
     from eaglelab.pipeline import run
 
