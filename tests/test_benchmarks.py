@@ -36,3 +36,12 @@ def test_capture_throughput_at_its_smallest(cache_dir, tmp_path):
           "--batch", "2", "--repeats", "1", "--gen-prompts", "2", "--gen-tokens", "2", "--json", out)  # fmt: skip
     figures = json.loads(out.read_text())
     assert figures and all(v > 0 for v in figures.values() if isinstance(v, int | float)), figures
+
+
+def test_attention_memory_at_its_smallest(tmp_path):
+    out = tmp_path / "attention.json"
+    proc = bench("attention_memory.py", "--lengths", "64", "--json", out)
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows.keys() == {"explicit", "fused", "checkpointed"} and all(r["peak_gb"] > 0 for r in rows.values())
+    assert rows["fused"]["max_logit_gap"] < 1e-4 and rows["checkpointed"]["estimate_gb"] < rows["fused"]["estimate_gb"]
+    assert "explicit / fused peak" in proc.stdout

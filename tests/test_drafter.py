@@ -183,3 +183,56 @@ def test_drafting_only_from_first_position_changes_nothing_there():
             start = 0 if j == 0 else int(first[b])
             assert torch.allclose(full[j].normed[b, start:], packed[j].normed[b, start:], atol=1e-10)
             assert torch.count_nonzero(packed[j].normed[b, :start]) == 0
+
+
+def _unroll_with(model, attention: str, aux, ids, steps, first):
+    """The unroll through the fused kernel, or through the explicit softmax (what a probe sees)."""
+    probe = (lambda *a: None) if attention == "explicit" else None
+    for layer in model.layers:
+        layer.self_attn.probe = probe
+    try:
+        return model.unroll(aux, ids, steps, first=first)
+    finally:
+        for layer in model.layers:
+            layer.self_attn.probe = None
+
+
+@pytest.mark.parametrize(
+    "flags", [dict(), dict(num_layers=2), dict(attention_window=3, attention_sink_tokens=1)], ids=["1L", "2L", "window"]
+)
+def test_fused_attention_is_the_explicit_softmax_forward_and_backward(flags):
+    """The sink-merged SDPA path against the written-out softmax over context and own drafts: the same outputs
+    at every depth and the same gradients, with sequences that start drafting at different positions."""
+    cfg = small_config(**flags)
+    torch.manual_seed(7)
+    aux, ids = torch.randn(3, 13, 144, dtype=torch.float64), torch.randint(0, 50, (3, 13))
+    first = torch.tensor([2, 6, 10])
+    grads, outs = {}, {}
+    for attention in ("fused", "explicit"):
+        model = random_drafter(cfg).train()
+        steps = _unroll_with(model, attention, aux, ids, 4, first)
+        loss = sum((s.normed * torch.linspace(-1, 1, s.normed.shape[-1], dtype=torch.float64)).sum() for s in steps)
+        loss.backward()
+        outs[attention] = [s.normed.detach() for s in steps]
+        grads[attention] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    for a, b in zip(outs["fused"], outs["explicit"]):
+        assert (a - b).abs().max() < 1e-10
+    assert grads["fused"].keys() == grads["explicit"].keys() and len(grads["fused"]) > 5
+    for name, g in grads["fused"].items():
+        assert (g - grads["explicit"][name]).abs().max() < 1e-9 * max(1.0, g.abs().max().item()), name
+
+
+def test_activation_checkpointing_changes_no_gradient():
+    cfg = small_config(num_layers=2)
+    torch.manual_seed(8)
+    aux, ids = torch.randn(2, 12, 144, dtype=torch.float64), torch.randint(0, 50, (2, 12))
+    grads = []
+    for checkpointing in (False, True):
+        model = random_drafter(cfg).train()
+        model.activation_checkpointing = checkpointing
+        loss = sum(s.normed.pow(2).sum() for s in model.unroll(aux, ids, 3, first=torch.tensor([3, 7])))
+        loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        assert torch.allclose(grads[0][name], grads[1][name], atol=1e-12), name

@@ -128,15 +128,19 @@ def test_a_run_too_large_for_memory_is_refused_before_any_work(cache_dir, tmp_pa
     assert_nothing_looks_complete(tmp_path)
 
 
-def test_the_training_estimate_counts_what_autograd_keeps(tmp_path):
+@pytest.mark.parametrize("T,checkpointing", [(96, False), (512, False), (512, True)])
+def test_the_training_estimate_counts_what_autograd_keeps(T, checkpointing):
     """`ttt_kept_bytes` against the bytes autograd really saves for backward over one TTT batch (every saved
-    tensor's storage, counted once), on the smoke drafter's shape: the terms are the code's, not a fit."""
+    tensor's storage, counted once), on the smoke drafter's shape: the terms are the code's, not a fit. At two
+    lengths, so a term growing with T² (attention probabilities, which the fused kernel no longer keeps) would
+    show; with activation checkpointing, what is saved is the layers' inputs, and the estimate adds the one
+    layer-step rebuilt at a time in the backward pass."""
     from transformers import LlamaConfig
 
     from eaglelab.batches import Batch
     from eaglelab.config import TrainConfig
     from eaglelab.drafter import DrafterFlags, Eagle3Config
-    from eaglelab.limits import _trainable_parameters, ttt_kept_bytes
+    from eaglelab.limits import _trainable_parameters, layer_step_bytes, ttt_kept_bytes
     from eaglelab.training import DrafterModule
 
     shape = LlamaConfig(
@@ -144,8 +148,9 @@ def test_the_training_estimate_counts_what_autograd_keeps(tmp_path):
         num_key_value_heads=1, head_dim=64,
     )  # fmt: skip
     d = Eagle3Config.for_target(DrafterFlags(), shape, aux_layer_ids=[2, 4, 5], draft_vocab_size=1024, max_context=512)
-    B, T, steps, prompt = 3, 96, 4, 1  # prompt of 1 token: every position drafts (the estimate's bound)
-    module = DrafterModule(d, TrainConfig(ttt_steps=steps), target_head=torch.randn(1024, 128))
+    B, steps, prompt = 3, 4, 1  # prompt of 1 token: every position drafts (the estimate's bound)
+    train = TrainConfig(ttt_steps=steps, activation_checkpointing=checkpointing)
+    module = DrafterModule(d, train, target_head=torch.randn(1024, 128))
     module.drafter.set_vocab(torch.arange(1024))
     batch = Batch(
         input_ids=torch.randint(0, 1024, (B, T)),
@@ -165,8 +170,12 @@ def test_the_training_estimate_counts_what_autograd_keeps(tmp_path):
         module.ttt(batch, steps)
     trainable = [p for p in module.drafter.parameters() if p.requires_grad]
     assert _trainable_parameters(d) == sum(p.numel() for p in trainable)
-    weight_copies = 2 * _trainable_parameters(d)  # autocast's bf16 copies of the weights, saved too
-    expected = ttt_kept_bytes(B, T, steps, T - prompt, d, lowp=2, stream=4, kl=False) + weight_copies
+    estimate = ttt_kept_bytes(B, T, steps, T - prompt, d, lowp=2, stream=4, kl=False, checkpointing=checkpointing)
+    if checkpointing:  # saved in the forward pass: all but the rebuilt layer-step (and the layers' weight copies)
+        assert estimate < 0.7 * ttt_kept_bytes(B, T, steps, T - prompt, d, 2, 4, kl=False)
+        expected = estimate - max(layer_step_bytes(B, T, steps, d, 2, 4))
+    else:
+        expected = estimate + 2 * _trainable_parameters(d)  # autocast's bf16 copies of the weights, saved too
     assert abs(sum(saved.values()) - expected) < 0.02 * expected, (sum(saved.values()), expected)
 
 

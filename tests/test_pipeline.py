@@ -322,3 +322,32 @@ def test_keep_best_exports_the_epoch_with_the_best_validation_tau(cache_dir, tmp
     for batch in DataLoader(val, batch_size=cfg.train.batch_size, collate_fn=collate):
         total.add(acceptance_counts(drafter, batch, 3)[3])
     assert total.acceptance_length == pytest.approx(max(per_epoch), abs=1e-6)
+
+
+@pytest.mark.parametrize("precision", ["bf16-true"])
+def test_a_true_precision_trains_on_states_the_target_computes(precision, cache_dir, tmp_path):
+    """train.precision=bf16-true (or 64-true) with online features: Lightning casts a batch to that dtype before
+    the transfer hook, where the target has not computed the states yet; they must reach fc in the weights'
+    dtype. (hybrid computes its first epoch through the same hook; cached batches are cast by Lightning itself.)"""
+    overrides = ["experiment=smoke", "features=online", f"train.precision={precision}", "train.epochs=1",
+                 "eval.suites.drift.enabled=false", "eval.suites.extrapolation.enabled=false"]  # fmt: skip
+    metrics = json.loads((run(compose(overrides, cache_dir, tmp_path / "r")) / "metrics.json").read_text())
+    assert metrics["acceptance_length@k3"] >= 1.0 and metrics["train/loss"] == metrics["train/loss"]
+
+
+def test_the_smoke_loop_names_the_device_of_every_tensor_it_makes(cache_dir, tmp_path):
+    """Strict-device mode (eaglelab.strict_device): training, export, the simulated evaluation and the drift
+    diagnostics make no tensor without naming its device, which on a GPU would land on the CPU beside CUDA
+    states. The mode itself is checked first: a factory call from a file of the package without a device raises."""
+    import torch
+
+    from eaglelab.strict_device import PACKAGE, DeviceNotNamed, strict_device
+
+    with strict_device():
+        torch.arange(3)  # from a test file: not eaglelab's code, left alone
+        with pytest.raises(DeviceNotNamed, match=r"eaglelab/probe.py:1: torch.arange without a device"):
+            exec(compile("torch.arange(3)", str(PACKAGE / "probe.py"), "exec"), {"torch": torch})
+        exec(compile("torch.arange(3, device='cpu')", str(PACKAGE / "probe.py"), "exec"), {"torch": torch})
+        run_dir = run(compose(["experiment=smoke", "train.epochs=1"], cache_dir, tmp_path / "strict"))
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["acceptance_length@k3"] >= 1.0 and (run_dir / "suites" / "drift.csv").is_file()

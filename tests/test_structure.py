@@ -21,6 +21,7 @@ RANK = {
     "eaglelab.config": 0,
     "eaglelab.vllm_engine": 0,
     "eaglelab.rundir": 0,
+    "eaglelab.strict_device": 0,  # a test mode: tensor factories in eaglelab name their device
     # 1: prompts
     "eaglelab.data": 1,
     "eaglelab.data.prompts": 1,

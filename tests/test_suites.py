@@ -54,17 +54,22 @@ def test_long_context_prompts_have_the_requested_length(tokenizer, length):
 
 
 def test_query_blocking_changes_nothing(monkeypatch):
-    """Long contexts attend in query blocks; the result must be the one-block result."""
+    """The explicit softmax (what drift's probes read) attends in query blocks on long contexts; the result must be
+    the one-block result, and the fused kernel's."""
+    from test_drafter import _unroll_with
+
     model = random_drafter(small_config())
     torch.manual_seed(0)
     aux, ids = torch.randn(2, 40, 144, dtype=torch.float64), torch.randint(0, 50, (2, 40))
     first = torch.tensor([5, 11])
     with torch.no_grad():
-        whole = model.unroll(aux, ids, 4, first=first)
+        whole = _unroll_with(model, "explicit", aux, ids, 4, first)
+        fused = _unroll_with(model, "fused", aux, ids, 4, first)
         monkeypatch.setattr(Attention, "MAX_SCORES", 7 * 4 * 40)  # blocks of 3-7 queries
-        blocked = model.unroll(aux, ids, 4, first=first)
-    for a, b in zip(whole, blocked):
+        blocked = _unroll_with(model, "explicit", aux, ids, 4, first)
+    for a, b, c in zip(whole, blocked, fused):
         assert torch.equal(a.normed, b.normed)
+        assert (a.normed - c.normed).abs().max() < 1e-10
 
 
 def features_for(model, n=3, T=24, seed=0):

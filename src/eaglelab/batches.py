@@ -89,8 +89,8 @@ class Batch:
 
 def collate(items: list[dict]) -> Batch:
     T = max(len(it["input_ids"]) for it in items)
-    known_len = torch.tensor([len(it["input_ids"]) for it in items])  # the sequence and its tail, if any
-    seq_len = torch.tensor([it.get("seq_len", len(it["input_ids"])) for it in items])
+    known_len = torch.tensor([len(it["input_ids"]) for it in items], device="cpu")  # the sequence and its tail, if any
+    seq_len = torch.tensor([it.get("seq_len", len(it["input_ids"])) for it in items], device="cpu")
 
     def pad(key, value=0):
         if key not in items[0]:
@@ -104,9 +104,9 @@ def collate(items: list[dict]) -> Batch:
     aux, final = pad("aux"), pad("final")
     return Batch(
         input_ids=pad("input_ids"),
-        prompt_len=torch.tensor([it["prompt_len"] for it in items]),
+        prompt_len=torch.tensor([it["prompt_len"] for it in items], device="cpu"),
         seq_len=seq_len,
-        index=torch.tensor([it["index"] for it in items]),
+        index=torch.tensor([it["index"] for it in items], device="cpu"),
         known_len=known_len,
         target_next=pad("target_next", value=-1),
         aux=aux.float() if aux is not None else None,

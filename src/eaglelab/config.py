@@ -190,6 +190,8 @@ class TrainConfig:
     epochs: int = 8
     max_steps: int = -1
     grad_clip: float = 0.5
+    # recompute each drafter layer in the backward pass instead of keeping its activations: long contexts
+    activation_checkpointing: bool = False
     # last: the final weights | best: the weights of the epoch with the highest validation τ at k = ttt_steps
     # (its validation metrics are the run's; train/kept_epoch says which). Needs data.val_fraction > 0.
     keep: Literal["last", "best"] = "best"

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(kw_only=True)
@@ -276,10 +277,29 @@ def context_mask(
 
 
 class Attention(nn.Module):
-    # Queries are processed in blocks whose score tensor [B, h, block, T] holds at most this many
-    # elements: rows of a softmax are independent, so blocking changes nothing but peak memory (an 8k
-    # context would otherwise need B·h·T² floats, 2.4 GB at h = 9).
+    """Self-attention of one draft step, through PyTorch's fused kernel (`scaled_dot_product_attention`).
+
+    A query of step j at verified position t sees the context keys 0..t (the step-1 keys: what the engine's KV
+    cache holds for verified tokens) and its own drafts of steps 2..j, one key each at that same t. The context
+    is ordinary causal attention; the own drafts are a per-query "diagonal" no fused kernel takes. They are
+    folded in through one extra key, the *sink*, whose score for each query is the log-sum-exp c of that
+    query's own-draft scores (an extra q/k dimension carries it) and whose value is a unit column:
+
+        SDPA([q, c/scale] · [sink; ctx]) = ( A + e^c · e_d ) / ( S + e^c ),   A = Σ_ctx e^s v,  S = Σ_ctx e^s
+        out = (A + Σ_own e^o v) / (S + Σ_own e^o) = SDPA[:d] + SDPA[d] · softmax(o) · v_own
+
+    which is the softmax over context and own drafts together, exactly; autograd differentiates it like any
+    other composition. So what a training step keeps grows with T (queries, keys, outputs, one log-sum-exp per
+    query), not with B·h·T² probabilities. The queries of steps >= 2 are the last Tq verified positions
+    (`Eagle3Drafter.unroll` packs them so); T - Tq + 1 zero queries in front of them align the kernel's causal
+    mask with theirs, so no mask is built unless the drafter has a sliding window.
+
+    The explicit softmax (`_attend_explicit`, query blocks bounding its memory without gradients) stays for the
+    drift diagnostics, which read the probabilities themselves (`probe`)."""
+
+    # Query blocks of the explicit path hold a score tensor [B, h, block, T] of at most this many elements.
     MAX_SCORES = 1 << 25
+    PAD = 8  # the extra q/k/v dimensions (1 used): fused CUDA kernels want head dims in multiples of 8
 
     def __init__(self, cfg: Eagle3Config, in_dim: int):
         super().__init__()
@@ -292,70 +312,107 @@ class Attention(nn.Module):
         # Diagnostics hook (eaglelab.drift): called as probe(probs [B, h, Tq, T + j - 1], positions, query_t).
         self.probe = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, query_t: torch.Tensor, cache: list) -> torch.Tensor:
-        """Draft step j = len(cache) + 1 for queries x: [B, Tq, in_dim] at position ids `positions`
-        [B, Tq] (t + j - 1), drafting from verified positions `query_t` [B, Tq]. `cache` holds (k, v)
-        of steps 1..j-1 of this layer: step 1 over all T context positions [B, kv, T, d], later steps
-        in the queries' layout [B, kv, Tq, d]; this step's (k, v) is appended."""
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, query_t: torch.Tensor, past: tuple
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Draft step j = len(past) + 1 for queries x: [B, Tq, in_dim] at position ids `positions` [B, Tq]
+        (t + j - 1), drafting from verified positions `query_t` [B, Tq] (the last Tq, t = T - Tq + i). `past`
+        holds (k, v) of steps 1..j-1 of this layer: step 1 over all T context positions [B, kv, T, d], later
+        steps in the queries' layout [B, kv, Tq, d]. -> (output [B, Tq, H], this step's (k, v))."""
         cfg = self.cfg
         B, Tq, _ = x.shape
         h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q = rope(self.q_proj(x).view(B, Tq, h, d).transpose(1, 2), positions, cfg.rope_theta)
         k = rope(self.k_proj(x).view(B, Tq, kv, d).transpose(1, 2), positions, cfg.rope_theta)
         v = self.v_proj(x).view(B, Tq, kv, d).transpose(1, 2)
-        cache.append((k, v))
-        rep = h // kv
-        k_ctx, v_ctx = cache[0]  # step-1 keys: the verified context (what the engine's KV cache holds)
-        T = k_ctx.shape[2]
-        k_ctx, v_ctx = k_ctx.repeat_interleave(rep, 1), v_ctx.repeat_interleave(rep, 1)
-        # Steps 2..j at the same position t: one key each, a "diagonal" extension of the context.
-        diag = [(k_i.repeat_interleave(rep, 1), v_i.repeat_interleave(rep, 1)) for k_i, v_i in cache[1:]]
-        block = max(1, self.MAX_SCORES // (B * h * T))
-        out = torch.cat(
-            [
-                self._attend(
-                    q[:, :, s : s + block],
-                    k_ctx,
-                    v_ctx,
-                    [(k_i[:, :, s : s + block], v_i[:, :, s : s + block]) for k_i, v_i in diag],
-                    positions[:, s : s + block],
-                    query_t[:, s : s + block],
-                )
-                for s in range(0, Tq, block)
-            ],
-            dim=2,
-        )  # [B, h, Tq, d]
-        return self.o_proj(out.transpose(1, 2).reshape(B, Tq, h * d))
+        k_ctx, v_ctx = past[0] if past else (k, v)  # step-1 keys: the verified context
+        own = [*past[1:], (k, v)] if past else []  # steps 2..j at the same t ("diagonal" keys)
+        attend = self._attend_explicit if self.probe is not None else self._attend_fused
+        out = attend(q, k_ctx, v_ctx, own, positions, query_t)  # [B, h, Tq, d]
+        return self.o_proj(out.transpose(1, 2).reshape(B, Tq, h * d)), (k, v)
 
-    def _attend(self, q, k_ctx, v_ctx, diag, positions, query_t):
-        """q: [B, h, tq, d] against the T context keys and the queries' own earlier drafts."""
-        cfg, T = self.cfg, k_ctx.shape[2]
+    def _own_scores(self, q, own, positions) -> list[torch.Tensor]:
+        """q: [B, h, tq, d] · each own draft's key at the same t -> scores [B, h, tq, 1], the sliding window applied:
+        the drafts of steps 2..j sit at position ids t+1..t+j-1 (own[i] is len(own)-1-i positions before the
+        query), masked by position as the context is; the query's own key (distance 0) is always visible."""
+        cfg, rep = self.cfg, q.shape[1] // own[0][0].shape[1] if own else 1
         scale = 1.0 / math.sqrt(cfg.head_dim)
-        mask = context_mask(
-            positions, query_t, torch.arange(T, device=q.device), cfg.attention_window, cfg.attention_sink_tokens
-        )  # [B, tq, T]
-        scores = (q @ k_ctx.transpose(-1, -2)) * scale  # [B, h, tq, T]
-        scores = scores.masked_fill(~mask[:, None], float("-inf"))
-        own = [(q * k_i).sum(-1, keepdim=True) * scale for k_i, _ in diag]
+        scores = [(q * k_i.repeat_interleave(rep, 1)).sum(-1, keepdim=True) * scale for k_i, _ in own]
+        if cfg.attention_window is None:
+            return scores
+        return [
+            s.masked_fill(
+                ~in_window(positions, positions - (len(own) - 1 - i), cfg.attention_window, cfg.attention_sink_tokens)[
+                    :, None, :, None
+                ],
+                float("-inf"),
+            )
+            for i, s in enumerate(scores)
+        ]
+
+    def _attend_fused(self, q, k_ctx, v_ctx, own, positions, query_t):
+        """q: [B, h, Tq, d], k_ctx/v_ctx: [B, kv, T, d], own: [(k, v) [B, kv, Tq, d]] -> [B, h, Tq, d]."""
+        cfg, (B, h, Tq, d), T = self.cfg, q.shape, k_ctx.shape[2]
+        scale = 1.0 / math.sqrt(d)
+        if not own:  # step 1: every position, plain causal attention over the context
+            mask = None
+            if cfg.attention_window is not None:
+                mask = self._window_mask(positions[0], query_t[0], torch.arange(T, device=q.device))
+            return F.scaled_dot_product_attention(
+                q, k_ctx, v_ctx, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+            )
+        rep = h // k_ctx.shape[1]
+        scores = torch.cat(self._own_scores(q, own, positions), dim=-1)  # [B, h, Tq, j-1]
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))  # softmax in float32 at least
+        c = torch.logsumexp(scores, dim=-1, keepdim=True)  # [B, h, Tq, 1]: finite, the query sees itself
+        weights = torch.softmax(scores, dim=-1)
+        own_out = sum(weights[..., i : i + 1] * v_i.repeat_interleave(rep, 1) for i, (_, v_i) in enumerate(own))
+        pad, front = self.PAD, T - Tq + 1  # zero queries ahead of the real ones: causal alignment (class docstring)
+        q_x = torch.cat([q, (c / scale).to(q.dtype), q.new_zeros(B, h, Tq, pad - 1)], dim=-1)
+        q_x = torch.cat([q_x.new_zeros(B, h, front, d + pad), q_x], dim=2)  # [B, h, T + 1, d + pad]
+        sink = k_ctx.new_zeros(B, k_ctx.shape[1], 1, d + pad)
+        sink[..., d] = 1.0
+        k_x = torch.cat([sink, F.pad(k_ctx, (0, pad))], dim=2)  # [B, kv, T + 1, d + pad]
+        v_x = torch.cat([sink, F.pad(v_ctx, (0, pad))], dim=2)
+        mask = None
         if cfg.attention_window is not None:
-            # The queries' own drafts of steps 2..j sit at position ids t+1..t+j-1 (own[i] is len(own)-1-i positions
-            # before the query): the window masks them by position, as it masks the context.
-            own = [
-                s.masked_fill(
-                    ~in_window(
-                        positions, positions - (len(own) - 1 - i), cfg.attention_window, cfg.attention_sink_tokens
-                    )[:, None, :, None],
-                    float("-inf"),
-                )
-                for i, s in enumerate(own)
-            ]
-        probs = torch.softmax(torch.cat([scores, *own], dim=-1), dim=-1)  # [B, h, tq, T + j - 1]
-        if self.probe is not None:
-            self.probe(probs, positions, query_t)
-        out = probs[..., :T] @ v_ctx
-        for i, (_, v_i) in enumerate(diag):
-            out = out + probs[..., T + i : T + i + 1] * v_i
-        return out
+            rows = torch.arange(-1, T, device=q.device)  # query row r drafts from t = r - 1 (zero rows: any)
+            shift = positions[0, 0] - query_t[0, 0]  # j - 1
+            ctx = self._window_mask(rows + shift, rows, torch.arange(T, device=q.device))  # [T + 1, T]
+            mask = torch.cat([torch.ones_like(ctx[:, :1]), ctx], dim=1)  # the sink always visible
+        o_x = F.scaled_dot_product_attention(
+            q_x, k_x, v_x, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )[:, :, front:]  # [B, h, Tq, d + pad]
+        return (o_x[..., :d] + o_x[..., d : d + 1] * own_out).to(q.dtype)  # own_out is float32 at least
+
+    def _window_mask(self, q_pos, q_t, k_pos):
+        """[tq] position ids and verified positions of queries, [T] key positions -> bool [tq, T]."""
+        return context_mask(q_pos[None], q_t[None], k_pos, self.cfg.attention_window, self.cfg.attention_sink_tokens)[0]
+
+    def _attend_explicit(self, q, k_ctx, v_ctx, own, positions, query_t):
+        """The softmax written out, in query blocks: the probabilities [B, h, tq, T + j - 1] go to `probe`."""
+        B, h, Tq, _ = q.shape
+        T, rep = k_ctx.shape[2], h // k_ctx.shape[1]
+        k_ctx, v_ctx = k_ctx.repeat_interleave(rep, 1), v_ctx.repeat_interleave(rep, 1)
+        block = max(1, self.MAX_SCORES // (B * h * T))
+        outs = []
+        for s in range(0, Tq, block):
+            qb, pb, tb = q[:, :, s : s + block], positions[:, s : s + block], query_t[:, s : s + block]
+            own_b = [(k_i[:, :, s : s + block], v_i[:, :, s : s + block]) for k_i, v_i in own]
+            scale = 1.0 / math.sqrt(self.cfg.head_dim)
+            mask = context_mask(
+                pb, tb, torch.arange(T, device=q.device), self.cfg.attention_window, self.cfg.attention_sink_tokens
+            )  # [B, tq, T]
+            scores = ((qb @ k_ctx.transpose(-1, -2)) * scale).masked_fill(~mask[:, None], float("-inf"))
+            own_scores = self._own_scores(qb, own_b, pb) if own_b else []
+            probs = torch.softmax(torch.cat([scores, *own_scores], dim=-1), dim=-1)  # [B, h, tq, T + j - 1]
+            if self.probe is not None:
+                self.probe(probs, pb, tb)
+            out = probs[..., :T] @ v_ctx
+            for i, (_, v_i) in enumerate(own_b):
+                out = out + probs[..., T + i : T + i + 1] * v_i.repeat_interleave(rep, 1)
+            outs.append(out)
+        return torch.cat(outs, dim=2)
 
 
 class MLP(nn.Module):
@@ -383,8 +440,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, embeds, hidden, positions, query_t, cache):
-        """embeds, hidden: [B, Tq, H] -> [B, Tq, H] (pre-norm residual stream)."""
+    def forward(self, embeds, hidden, positions, query_t, past):
+        """embeds, hidden: [B, Tq, H] -> ([B, Tq, H] pre-norm residual stream, this step's (k, v)). A pure
+        function of its inputs, so activation checkpointing can run it again for the backward pass."""
         if self.first:
             if self.cfg.norm_before_residual:
                 hidden = self.hidden_norm(hidden)
@@ -396,8 +454,9 @@ class DecoderLayer(nn.Module):
         else:
             residual = hidden
             x = self.input_layernorm(hidden)
-        residual = residual + self.self_attn(x, positions, query_t, cache)
-        return residual + self.mlp(self.post_attention_layernorm(residual))
+        attended, kv = self.self_attn(x, positions, query_t, past)
+        residual = residual + attended
+        return residual + self.mlp(self.post_attention_layernorm(residual)), kv
 
 
 @dataclass
@@ -427,6 +486,9 @@ class Eagle3Drafter(nn.Module):
         # d2t[i] = target_id(i) - i ; t2d[target_id] = token is in the draft vocabulary.
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        # A training switch, not part of the design (nothing exported): recompute each decoder layer in the
+        # backward pass instead of keeping its activations (train.activation_checkpointing).
+        self.activation_checkpointing = False
         self.apply(self._init)
 
     @staticmethod
@@ -463,11 +525,17 @@ class Eagle3Drafter(nn.Module):
         return normed if self.cfg.norm_output else prenorm
 
     def step(self, tokens, hidden, positions, query_t, caches) -> StepOutput:
-        """One draft step. tokens: [B, Tq]; hidden: [B, Tq, H]; positions, query_t: [B, Tq]."""
+        """One draft step. tokens: [B, Tq]; hidden: [B, Tq, H]; positions, query_t: [B, Tq]; caches: per layer,
+        the (k, v) of the earlier steps, to which this step's are appended."""
         embeds = self.embed_tokens(tokens)
         x = hidden
         for layer, cache in zip(self.layers, caches):
-            x = layer(embeds, x, positions, query_t, cache)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                # Keep only the layer's inputs; its activations are recomputed in the backward pass.
+                x, kv = checkpoint(layer, embeds, x, positions, query_t, tuple(cache), use_reentrant=False)
+            else:
+                x, kv = layer(embeds, x, positions, query_t, tuple(cache))
+            cache.append(kv)
         normed = self.norm(x)
         return StepOutput(normed, self.feedback(x, normed), x)
 
@@ -490,14 +558,14 @@ class Eagle3Drafter(nn.Module):
         every = torch.arange(T, device=device).expand(B, T)
         out = self.step(padded[:, 1 : T + 1], self.fuse(aux), every, every, caches)
         outs = [out]
-        # Queries of steps >= 2: positions first[b] .. T-1, packed to the left ([B, Tq]).
+        # Queries of steps >= 2: the last Tq positions, from the earliest first[b] on, the same for every sequence
+        # ([B, Tq]); those before a sequence's own first[b] run but are not kept (`real`).
         first = torch.zeros(B, dtype=torch.long, device=device) if first is None else first.clamp(0, T - 1)
-        Tq = int((T - first).max())
-        t = first[:, None] + torch.arange(Tq, device=device)  # [B, Tq]
-        real = t < T
-        t = t.clamp(max=T - 1)
+        Tq = T - int(first.min())
+        t = (T - Tq + torch.arange(Tq, device=device)).expand(B, Tq)  # [B, Tq]
+        real = t >= first[:, None]
         rows = torch.arange(B, device=device)[:, None]
-        hidden = out.hidden[rows, t]
+        hidden = out.hidden[:, T - Tq :]
         for j in range(2, steps + 1):
             step = self.step(padded[rows, t + j], hidden, t + (j - 1), t, caches)
             hidden = step.hidden

@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from eaglelab.batches import Batch, FeatureDataset, collate
+from eaglelab.batches import Batch, FeatureDataset, collate, move
 from eaglelab.drafter import Eagle3Drafter
 
 MEASURES = ("hidden_rms", "sink_share", "context_share", "draft_share", "recent_share", "entropy")
@@ -86,17 +86,18 @@ def drift_diagnostics(
 ) -> tuple[list[dict], list[dict]]:
     """-> (rows per depth j = 1..depth with MEASURES, rows per aux layer with its fc input share)."""
     drafter.eval()
+    device = drafter.d2t.device  # the drafter's: the batches go there
     acc = _Accumulator(recent_tokens)
     n_aux = len(drafter.cfg.aux_layer_ids)
-    energy = torch.zeros(n_aux, dtype=torch.float64)
+    energy = torch.zeros(n_aux, dtype=torch.float64, device=device)
     data = FeatureDataset(features, list(range(len(features))), with_final=False)
     with _probing(drafter, acc.probe):
         for batch in tqdm(
             DataLoader(data, batch_size=batch_size, collate_fn=collate), desc="drift diagnostics", leave=False
         ):
-            acc.batch = batch
+            acc.batch = batch = move(batch, device)
             B, T = batch.input_ids.shape
-            every = torch.arange(T).expand(B, T)
+            every = torch.arange(T, device=device).expand(B, T)
             fc_in = drafter.fc_input(batch.aux)  # [B, T, n_aux·H_t]
             mask = acc.valid(every, 1)
             energy += torch.stack([c[mask].double().pow(2).sum() for c in fc_in.chunk(n_aux, dim=-1)])

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from eaglelab.acceptance import AcceptanceCounts
-from eaglelab.batches import FeatureDataset, acceptance_counts, collate
+from eaglelab.batches import FeatureDataset, acceptance_counts, collate, move
 from eaglelab.config import RunConfig, vllm_ks
 from eaglelab.drafter import Eagle3Drafter
 from eaglelab.errors import EaglelabError
@@ -30,8 +30,9 @@ def evaluate_simulated(
     data = FeatureDataset(features, list(range(len(features))), with_final=False, with_tail=True)
     totals = {k: AcceptanceCounts(k=k) for k in range(1, max_k + 1)}
     loader = DataLoader(data, batch_size=batch_size, collate_fn=collate)
+    device = drafter.d2t.device
     for batch in tqdm(loader, desc="evaluate (simulated)", leave=False):
-        for k, counts in acceptance_counts(drafter, batch, max_k).items():
+        for k, counts in acceptance_counts(drafter, move(batch, device), max_k).items():
             totals[k].add(counts)
     return totals
 

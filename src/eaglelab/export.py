@@ -153,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if Path(args.out).exists():
             raise EaglelabError(f"{args.out} exists; choose a new output folder")
-        model = load_checkpoint(Path(args.checkpoint), embed_tokens=torch.zeros(0))  # embeddings are not exported
+        model = load_checkpoint(
+            Path(args.checkpoint), embed_tokens=torch.zeros(0, device="cpu")
+        )  # embeddings are not exported
         save_drafter(model, Path(args.out))
     except EaglelabError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -345,54 +345,91 @@ def cached_capture_bytes(t: TargetShape, n_aux: int, longest: int, response: int
 
 
 def ttt_kept_bytes(
-    batch: int, length: int, steps: int, response: int, d: Eagle3Config, lowp: int, stream: int, kl: bool
+    batch: int,
+    length: int,
+    steps: int,
+    response: int,
+    d: Eagle3Config,
+    lowp: int,
+    stream: int,
+    kl: bool,
+    checkpointing: bool = False,
 ) -> int:
     """What autograd keeps for the backward pass of one training batch (`DrafterModule.ttt` over
-    `Eagle3Drafter.unroll`), term by term; counted by shape with torch.autograd.graph.saved_tensors_hooks on the
-    SmolLM2 drafter, which it matches within 1%. B sequences of T positions (steps >= 2 run from the prompt's
-    last token on: at most all T). Bytes per position, decoder layer and draft step j:
+    `Eagle3Drafter.unroll`), term by term; counted by shape with torch.autograd.graph.saved_tensors_hooks
+    (tests/test_limits.py, within 2%). B sequences of T positions (steps >= 2 run from the prompt's last token on:
+    at most all T). Bytes per position, decoder layer and draft step j:
 
         7·H         residual-stream states: the RMSNorms' inputs and outputs (float32 under mixed precision)
         4·M         the MLP's gate, SiLU, up and product (M its width), in the autocast dtype, as are:
         12·H, 9·H   the projections' inputs (step 1 reads [embedding; hidden] into q/k/v; later steps less)
-        h·(T+j-1)   attention probabilities over the T context keys and the step's own j-1 earlier drafts
-        T           the attention mask (bool)
         4·d         the rotary embedding's cos and sin, for q and for k
-        step 1:     fc's input (n_aux·H_t), q and k (3·h·d)
-        step j>=2:  q, and the j-1 earlier drafts' keys and values repeated to every head (2·j·h·d)
+        step 1:     fc's input (n_aux·H_t); what the fused kernel keeps: q and its output (2·h·d), k and v
+                    (2·kv·d), one float32 log-sum-exp per head (4·h)
+        step j>=2:  q, the j-1 own drafts' keys and values repeated to every head (2·(j-1)·h·d + h·d); the
+                    kernel's padded q, k, v and output over T + 1 rows ((2·h + 2·kv)·(d + 8)) and its
+                    log-sum-exp (4·h); float32: the own-draft scores, their softmax and log-sum-exp
+                    (4·h·(2·(j-1) + 1)) and their weighted values (4·h·d)
 
-    and per step the context's keys and values repeated to every head (2·B·T·h·d, made anew each step); per
-    label and step (at most `response` - j per sequence) the log-probabilities over the draft vocabulary in
-    float32 (4·V_d; KL keeps the teacher's distribution too) and lm_head's input (H)."""
-    H, M, hd, h = d.hidden_size, d.intermediate_size, d.num_attention_heads * d.head_dim, d.num_attention_heads
-    n_aux_width = len(d.aux_layer_ids) * d.target_hidden_size
-    B, T = batch, length
-    per_layer = (
-        B * T * (stream * 7 * H + lowp * (4 * M + 12 * H + 3 * hd + 4 * d.head_dim) + lowp * h * T + T)
-        + B * T * lowp * n_aux_width
-    )
-    for j in range(2, steps + 1):
-        per_layer += (
-            B * T * (stream * 7 * H + lowp * (4 * M + 9 * H + 2 * j * hd + 4 * d.head_dim) + lowp * h * (T + j - 1) + T)
-        )
-        per_layer += 2 * lowp * B * T * hd
+    No term grows with T per position (`eaglelab.drafter.Attention`), except a sliding window's mask, float32
+    [T + 1, T + 1] per layer and step. Per label and step (at most `response` - j per sequence): the
+    log-probabilities over the draft vocabulary in float32 (4·V_d; KL keeps the teacher's distribution too) and
+    lm_head's input (H). With activation checkpointing, a layer keeps only its inputs (the float32 embeddings and
+    the hidden state) and one layer-step's share is rebuilt at a time in the backward pass."""
+    B, T, H = batch, length, d.hidden_size
+    per_step = layer_step_bytes(B, T, steps, d, lowp, stream)
+    if checkpointing:  # the layers keep their inputs; one layer-step is rebuilt at a time in the backward pass
+        aux = B * T * (4 + lowp) * len(d.aux_layer_ids) * d.target_hidden_size  # the states, fc's input
+        # per step: the embeddings, each layer's input hidden state, the last one's output and its norm
+        layers = steps * B * T * stream * H * (d.num_layers + 3) + aux + max(per_step)
+    else:
+        layers = d.num_layers * sum(per_step)
     labels = sum(B * max(response - j, 0) for j in range(1, steps + 1))
-    return d.num_layers * per_layer + labels * (4 * d.draft_vocab_size * (2 if kl else 1) + lowp * H)
+    return layers + labels * (4 * d.draft_vocab_size * (2 if kl else 1) + lowp * H)
 
 
-def unroll_alive_bytes(batch: int, length: int, steps: int, rows: int, d: Eagle3Config, lowp: int, stream: int) -> int:
+def layer_step_bytes(B: int, T: int, steps: int, d: Eagle3Config, lowp: int, stream: int) -> list[int]:
+    """What one decoder layer keeps for backward at draft step j = 1..steps (`ttt_kept_bytes`'s terms)."""
+    H, M, h, hd = d.hidden_size, d.intermediate_size, d.num_attention_heads, d.num_attention_heads * d.head_dim
+    kvd, padded = d.num_key_value_heads * d.head_dim, (d.num_attention_heads + d.num_key_value_heads) * (d.head_dim + 8)
+    n_aux_width = len(d.aux_layer_ids) * d.target_hidden_size
+    window = 4 * (T + 1) ** 2 if d.attention_window is not None else 0
+    per_step = [
+        B * T * (stream * 7 * H + lowp * (4 * M + 12 * H + 2 * hd + 2 * kvd + 4 * d.head_dim) + 4 * h)
+        + B * T * lowp * n_aux_width
+        + window
+    ]
+    for j in range(2, steps + 1):
+        own = lowp * (2 * (j - 1) * hd + hd) + 4 * h * (2 * (j - 1) + 1) + 4 * hd
+        per_step.append(
+            B * T * (stream * 7 * H + lowp * (4 * M + 9 * H + 4 * d.head_dim) + own)
+            + B * (T + 1) * (lowp * 2 * padded + 4 * h)
+            + window
+        )
+    return per_step
+
+
+def unroll_alive_bytes(
+    batch: int, length: int, steps: int, rows: int, d: Eagle3Config, lowp: int, stream: int, probed: bool = False
+) -> int:
     """What an unroll holds besides autograd's share (or, without gradients, all it holds): every step's
     states scattered to the full length (3 × [B, T, H]), the attention caches (k, v per step and layer), and the
-    largest transient: one attention block's score chain (scores, masked, concatenated) or one step's logits
-    over the draft vocabulary at its `rows` labelled positions (16 bits out of lm_head, float32, log-softmax)."""
+    largest transient: the fused kernel's padded inputs and output over T + 1 rows, or one step's logits
+    over the draft vocabulary at its `rows` labelled positions (16 bits out of lm_head, float32, log-softmax).
+    `probed` (the drift suite): the explicit softmax instead, one query block's score chain at a time (scores,
+    masked, concatenated) with the context's keys and values repeated to every head."""
     H, h, B, T = d.hidden_size, d.num_attention_heads, batch, length
     kv = d.num_key_value_heads * d.head_dim
     outs = 3 * steps * B * T * H * stream
     caches = d.num_layers * 2 * steps * B * T * kv * lowp
-    context = 2 * B * T * h * d.head_dim * lowp  # the context's keys and values repeated to every head, this step
-    scores = 3 * lowp * min(B * h * T * (T + steps), max(Attention.MAX_SCORES, B * h * T))
+    if probed:
+        context = 2 * B * T * h * d.head_dim * lowp
+        attention = context + 3 * lowp * min(B * h * T * (T + steps), max(Attention.MAX_SCORES, B * h * T))
+    else:
+        attention = 2 * B * (T + 1) * (h + d.num_key_value_heads) * (d.head_dim + Attention.PAD) * lowp
+        attention += 4 * (T + 1) ** 2 if d.attention_window is not None else 0  # the window's mask, float32
     logits = rows * d.draft_vocab_size * (lowp + 4 + 4)
-    return outs + caches + context + max(scores, logits)
+    return outs + caches + max(attention, logits)
 
 
 def train_bytes(
@@ -411,7 +448,8 @@ def train_bytes(
     kl = train.loss == "kl"
     inputs = B * T * (len(d.aux_layer_ids) + kl) * d.target_hidden_size * 6  # the stored 16 bits, then float32
     rows = B * response  # labelled positions: the responses'
-    step = ttt_kept_bytes(B, T, S, response, d, lowp, stream, kl) + unroll_alive_bytes(B, T, S, rows, d, lowp, stream)
+    kept = ttt_kept_bytes(B, T, S, response, d, lowp, stream, kl, train.activation_checkpointing)
+    step = kept + unroll_alive_bytes(B, T, S, rows, d, lowp, stream)
     validation = unroll_alive_bytes(B, T, 2 * S, rows, d, lowp, stream)
     online = capture_bytes(t, len(d.aux_layer_ids), B * T, rows) if cfg.features.kind != "cached" else 0
     kernels = kernel_cache_bytes(cfg, d, data) if device.type == "cpu" else 0
@@ -444,7 +482,7 @@ def evaluation_cost(cfg: RunConfig, d: Eagle3Config, sets: list[PromptSet], slac
     def unroll(s: PromptSet) -> int:
         T = s.sequence
         inputs = B * T * len(d.aux_layer_ids) * d.target_hidden_size * 6
-        return unroll_alive_bytes(B, T, K, B * s.response, d, 4, 4) + B * T * K * (8 + 8 + 1) + inputs
+        return unroll_alive_bytes(B, T, K, B * s.response, d, 4, 4, probed=True) + B * T * K * (8 + 8 + 1) + inputs
 
     evaluated = [s for s in sets if s.name != "train"] or sets
     worst = max(evaluated, key=unroll)

@@ -185,6 +185,9 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
     # 4. Export in vLLM's Eagle3 format.
     with timer("export"):
         save_drafter(drafter, run_dir / "drafter")
+    # Evaluated in float32 whatever train.precision trained it in (a "-true" one: 16 bits), on the training device
+    # (Lightning's teardown leaves the module on the CPU).
+    drafter = drafter.float().to(target_device(cfg.train.accelerator))
     # 5. Evaluate on the held-out prompts: simulated, then in vLLM.
     record.evaluator = "simulated+vllm" if use_vllm else "simulated"
     with timer("evaluate"):

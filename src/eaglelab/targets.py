@@ -175,10 +175,17 @@ def _speak_a_token_chain(model, alphabet: int, stop_id: int, generator: torch.Ge
     cfg = model.config
     H, dh = cfg.hidden_size, cfg.head_dim
     half, copied = H // 2, min(H // 2 - 1, dh)  # the previous token: `copied` dims of its half
-    ids = torch.tensor(TINY_ALPHABET_IDS)
-    letters = torch.cat([ids[torch.randperm(len(ids), generator=generator)[: alphabet - 1]], torch.tensor([stop_id])])
+    ids = torch.tensor(TINY_ALPHABET_IDS, device="cpu")  # host: built once, on the CPU generator
+    letters = torch.cat(
+        [
+            ids[torch.randperm(len(ids), generator=generator, device="cpu")[: alphabet - 1]],
+            torch.tensor([stop_id], device="cpu"),
+        ]
+    )
     pi = letters.roll(-1)  # π(letters[i]) = pi[i]: the current token's successor
-    sigma = letters[torch.randperm(alphabet, generator=generator)]  # σ(letters[i]) = sigma[i]: the previous one's
+    sigma = letters[
+        torch.randperm(alphabet, generator=generator, device="cpu")
+    ]  # σ(letters[i]) = sigma[i]: the previous one's
     with torch.no_grad():
         scale = TINY_BLOCK_SCALE * 128 / H
         for layer in model.model.layers:
@@ -189,7 +196,9 @@ def _speak_a_token_chain(model, alphabet: int, stop_id: int, generator: torch.Ge
             layer.mlp.gate_proj.weight[:, 0] = layer.mlp.up_proj.weight[:, 0] = 0
 
         embed = model.model.embed_tokens.weight  # [V, H]
-        embed[:, 1:half] = torch.randn(embed.shape[0], half - 1, generator=generator) * cfg.initializer_range
+        embed[:, 1:half] = (
+            torch.randn(embed.shape[0], half - 1, generator=generator, device="cpu") * cfg.initializer_range
+        )
         embed[:, half:] = 0  # the previous token's half starts empty
         token_norm = embed[:, 1:half].norm(dim=1).median()
         embed[:, 0] = token_norm  # the constant: lets the previous-token head's q and k be constant
@@ -212,7 +221,7 @@ def _speak_a_token_chain(model, alphabet: int, stop_id: int, generator: torch.Ge
             o[1 + c, dh + c] = rms * TINY_CONTEXT_GAIN  # head 1 adds the context's mean token to the first half
 
         unit = embed[:, 1:half] / embed[:, 1:half].norm(dim=1, keepdim=True)  # [V, H/2-1]
-        weight = 0.5 + torch.rand(2, embed.shape[0], generator=generator)  # [2, V] per-token factors
+        weight = 0.5 + torch.rand(2, embed.shape[0], generator=generator, device="cpu")  # [2, V] per-token factors
         head = torch.zeros_like(model.lm_head.weight)  # [V, H]: tokens outside the alphabet score ~0
         head[pi, 1:half] += weight[0, pi, None] * unit[letters]
         head[sigma, half : half + copied] += weight[1, sigma, None] * unit[letters][:, :copied]

@@ -67,9 +67,10 @@ def train_drafter(
         model_cfg.draft_vocab_size,
     )
     module = DrafterModule(model_cfg, cfg.train)
-    module.target_head = init_from_target(
+    head = init_from_target(
         module, target, draft_ids, cfg.drafter.init_lm_head_from_target, cfg.drafter.init_layers_from_target
     )
+    module.target_head = head if cfg.train.loss == "kl" else None  # only KL reads the teacher's head
     if features.states is None and online is None:
         raise EaglelabError("these sequences have no cached states and no target was given to compute them")
     module.online = online

@@ -56,7 +56,11 @@ class EpochBatches(Sampler):
         _, world = self._world()
         # seed·1000003 + epoch: seed s's second epoch is not seed s+1's first (replicates stay independent)
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        order = torch.randperm(self.n, generator=generator) if self.shuffle else torch.arange(self.n)
+        order = (
+            torch.randperm(self.n, generator=generator, device="cpu")
+            if self.shuffle
+            else torch.arange(self.n, device="cpu")
+        )
         size = self.batch_size * world
         # A last global batch with fewer sequences than processes would leave a process without data.
         return [b for b in order.split(size) if len(b) >= world]
@@ -190,10 +194,10 @@ class DrafterModule(L.LightningModule):
         if train_cfg.freeze_lm_head:  # the output space stays the target's: half the parameters, none of them learnt
             for p in (*self.drafter.lm_head.parameters(), *self.drafter.norm.parameters()):
                 p.requires_grad_(False)
-        # Target lm_head rows of the draft vocab [V_draft, H_t], frozen: the KL loss's teacher.
-        self.register_buffer(
-            "target_head", target_head if target_head is not None else torch.zeros(0), persistent=False
-        )
+        self.drafter.activation_checkpointing = train_cfg.activation_checkpointing
+        # Target lm_head rows of the draft vocab [V_draft, H_t], frozen: the KL loss's teacher, None for CE. A plain
+        # attribute, not a buffer: DDP would broadcast a buffer every step, and it is never saved.
+        self.target_head = target_head
         self.val_k = (train_cfg.ttt_steps, 2 * train_cfg.ttt_steps)
         self._val_counts: dict[int, AcceptanceCounts] = {}
         self._val_acc: list[list[float]] = []
@@ -208,6 +212,10 @@ class DrafterModule(L.LightningModule):
             batch = self.online(batch)
             if self.hybrid is not None:
                 self.hybrid.record(batch)
+            # Lightning casts a batch to a "-true" precision before the transfer (the loops' convert_input), when
+            # these states did not exist yet: the same cast here, or fc meets float32 states with 16-bit weights.
+            if self._trainer is not None:
+                batch = self.trainer.precision_plugin.convert_input(batch)
         return batch
 
     _epoch_started: float | None = None
@@ -227,6 +235,15 @@ class DrafterModule(L.LightningModule):
             self.log("time/epoch_s", time.perf_counter() - self._epoch_started, sync_dist=True)
             self._epoch_started = None
 
+    def teacher_head(self) -> torch.Tensor:
+        """The KL teacher's head rows, moved once to the training device (not being a buffer, they do not move with
+        the module)."""
+        if self.target_head is None:
+            raise TrainingError("train.loss=kl needs the target's lm_head rows (DrafterModule's target_head)")
+        if self.target_head.device != self.device:
+            self.target_head = self.target_head.to(self.device)
+        return self.target_head
+
     def ttt(self, batch: Batch, steps: int, outs: list | None = None):
         """-> (weighted loss, [loss_j], [correct_j], [count_j]) over draft steps j = 1..steps."""
         d = self.drafter
@@ -242,7 +259,7 @@ class DrafterModule(L.LightningModule):
                 nll = -logp.gather(-1, target_to_draft.clamp(min=0)[label][:, None])[:, 0]
                 loss_j = (nll * in_vocab).sum() / per_process_mean(in_vocab.sum()).clamp(min=1)
             else:
-                p = F.softmax((shift(batch.final, j)[valid] @ self.target_head.T).float(), dim=-1)
+                p = F.softmax((shift(batch.final, j)[valid] @ self.teacher_head().T).float(), dim=-1)
                 kl = (p * (torch.log(p.clamp_min(1e-20)) - logp)).sum(-1)  # [N]
                 loss_j = kl.sum() / per_process_mean(torch.tensor(float(len(kl)), device=kl.device)).clamp(min=1)
             hit = d.to_target_ids(logp.argmax(-1)) == label

@@ -70,10 +70,10 @@ def capture_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 def padded(sequences: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded ids [B, T] and attention mask [B, T] on `device`."""
     width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad, dtype=torch.long)
+    ids = torch.full((len(sequences), width), pad, dtype=torch.long, device="cpu")  # filled on the host
     mask = torch.zeros_like(ids)
     for row, s in enumerate(sequences):
-        ids[row, : len(s)] = torch.as_tensor(s)
+        ids[row, : len(s)] = torch.as_tensor(s, device="cpu")
         mask[row, : len(s)] = 1
     return ids.to(device), mask.to(device)
 

@@ -70,10 +70,10 @@ def generate(
             lens = [len(prompt_ids[i]) for i in idx]
             B, W = len(idx), max(lens)
             budgets = [response_budget(n, max_new_tokens, max_length) for n in lens]
-            ids = torch.full((B, W), pad, dtype=torch.long)
+            ids = torch.full((B, W), pad, dtype=torch.long, device="cpu")  # filled on the host
             mask = torch.zeros_like(ids)
             for row, i in enumerate(idx):
-                ids[row, W - lens[row] :] = torch.tensor(prompt_ids[i])
+                ids[row, W - lens[row] :] = torch.tensor(prompt_ids[i], device="cpu")
                 mask[row, W - lens[row] :] = 1
             ids, mask = ids.to(device), mask.to(device)
             positions = (mask.cumsum(-1) - 1).clamp(min=0)

@@ -13,12 +13,12 @@ def draft_vocab(
     sequences: list[torch.Tensor], prompt_lens: list[int], vocab_size: int, draft_vocab_size: int
 ) -> tuple[torch.Tensor, float]:
     """-> (ascending target ids [V_draft], share of assistant tokens the draft vocab covers)."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
+    counts = torch.zeros(vocab_size, dtype=torch.long, device="cpu")
     for ids, p in zip(sequences, prompt_lens):
         counts += torch.bincount(ids[p:].long(), minlength=vocab_size)
     total = int(counts.sum())
     # Frequency first, then low ids: unseen tokens fill the tail deterministically.
-    key = -counts * vocab_size + torch.arange(vocab_size)
+    key = -counts * vocab_size + torch.arange(vocab_size, device="cpu")
     ids = torch.sort(torch.argsort(key)[:draft_vocab_size]).values
     coverage = float(counts[ids].sum()) / max(total, 1)
     return ids, coverage
