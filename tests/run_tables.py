@@ -21,6 +21,14 @@ def check_acceptance_tables(run_dir: Path, metrics: dict) -> dict[int, float]:
     for r in read_csv(run_dir / "per_position.csv"):
         if r["evaluator"] == "simulated":
             rates.setdefault(int(r["k"]), []).append((int(r["position"]), float(r["acceptance_rate"])))
+            # n-α(d) = accepted at d / rounds that reached d, which are the rounds that accepted at d - 1
+            accepted, reached = int(r["accepted"]), int(r["reached"])
+            key = f"conditional_rate@k{r['k']}@pos{r['position']}"
+            if reached:
+                assert float(r["conditional_rate"]) == pytest.approx(accepted / reached, rel=1e-9), r
+                assert metrics[key] == pytest.approx(accepted / reached, rel=1e-9), key
+            else:
+                assert key not in metrics and r["conditional_rate"] == "nan", r
     assert by_k and set(rates) == set(by_k)
     taus = {}
     for k, row in by_k.items():
@@ -32,4 +40,8 @@ def check_acceptance_tables(run_dir: Path, metrics: dict) -> dict[int, float]:
         assert positions == tuple(range(1, k + 1)), k
         assert all(later <= earlier for earlier, later in zip(per_pos, per_pos[1:])), (k, per_pos)
         assert sum(per_pos) == pytest.approx(accepted / drafts, rel=1e-9), k
+        reached = [int(r["reached"]) for r in sorted(
+            (r for r in read_csv(run_dir / "per_position.csv") if r["evaluator"] == "simulated" and int(r["k"]) == k),
+            key=lambda r: int(r["position"]))]  # fmt: skip
+        assert reached[0] == drafts and all(b <= a for a, b in zip(reached, reached[1:])), (k, reached)
     return taus

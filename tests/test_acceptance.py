@@ -37,6 +37,8 @@ def test_simulate_walks_the_chain_like_a_verifier():
     assert c.accepted_per_pos == [2, 1, 1]
     assert abs(c.acceptance_length - (1 + 4 / 3)) < 1e-12
     assert c.per_position == [2 / 3, 1 / 3, 1 / 3]
+    # n-α: 3 rounds reached position 1 (2 accepted), 2 reached position 2 (1 accepted), 1 reached position 3 (1)
+    assert c.reached == [3, 2, 1] and c.conditional == [2 / 3, 1 / 2, 1.0]
 
 
 def test_drafts_past_the_end_count_as_the_engine_counts_them():

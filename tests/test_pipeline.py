@@ -194,7 +194,7 @@ def test_run_writes_an_acceptance_figure_of_its_tables(smoke_runs, tmp_path, mon
     monkeypatch.setattr(plots.plt, "close", kept.append)
     plots.plot_acceptance(tmp_path, "eagle3.1 (seed 0)")  # the run's title: variant, seed
     (fig,) = kept
-    tau_ax, pos_ax = fig.axes
+    tau_ax, pos_ax, depth_ax = fig.axes
     by_k = [r for r in read_csv(tmp_path / "acceptance.csv") if r["evaluator"] == "simulated"]
     ((ks, taus),) = [line.get_data() for line in tau_ax.get_lines()]
     assert list(ks) == [int(r["k"]) for r in by_k] == list(range(1, 9))
@@ -204,6 +204,10 @@ def test_run_writes_an_acceptance_figure_of_its_tables(smoke_runs, tmp_path, mon
         expected = [(int(r["position"]), float(r["acceptance_rate"])) for r in rates if int(r["k"]) == k]
         assert line.get_label() == f"k={k}"
         assert list(zip(*line.get_data())) == pytest.approx(expected)
+    ((depths, n_alpha),) = [line.get_data() for line in depth_ax.get_lines()]  # no vLLM in the smoke run
+    deepest = [r for r in rates if r["evaluator"] == "simulated" and r["k"] == "8" and int(r["reached"]) > 0]
+    assert list(depths) == [int(r["position"]) for r in deepest] and len(deepest) >= 3
+    assert list(n_alpha) == pytest.approx([int(r["accepted"]) / int(r["reached"]) for r in deepest])
     plt.close(fig)
     drawn, written = (np.asarray(Image.open(d / "acceptance.png")) for d in (tmp_path, smoke_runs.a))
     assert drawn.shape == written.shape and (drawn == written).all()

@@ -22,6 +22,7 @@ RANK = {
     "eaglelab.vllm_engine": 0,
     "eaglelab.rundir": 0,
     "eaglelab.strict_device": 0,  # a test mode: tensor factories in eaglelab name their device
+    "eaglelab.devices": 0,  # the process's CUDA device and an engine's share of it
     # 1: prompts
     "eaglelab.data": 1,
     "eaglelab.data.prompts": 1,

@@ -43,7 +43,20 @@ class AcceptanceCounts:
 
     @property
     def per_position(self) -> list[float]:
+        """Unconditional: accepted at position d / rounds. Falls with d as much because chains end as because
+        deep drafts are worse, so it hides what a depth-robust drafter changes."""
         return [a / max(self.drafts, 1) for a in self.accepted_per_pos]
+
+    @property
+    def reached(self) -> list[int]:
+        """Rounds whose chain reached position d (every draft before d accepted): all rounds at d = 1."""
+        return [self.drafts, *self.accepted_per_pos[:-1]]
+
+    @property
+    def conditional(self) -> list[float]:
+        """n-α(d) = accepted at d / rounds that reached d: the acceptance rate of the d-th draft given its chain got
+        there (EAGLE's own depth measure). NaN where no round reached d: not a measurement."""
+        return [a / r if r else float("nan") for a, r in zip(self.accepted_per_pos, self.reached)]
 
 
 def tail_tokens(deepest_k: int) -> int:

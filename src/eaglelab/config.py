@@ -248,6 +248,8 @@ class VllmEvalConfig:
     concurrencies: list[int] = field(default_factory=lambda: [1, 4, 16])
     throughput_prompts: int = 4  # prompts timed per concurrency c (at least 2c, at most num_prompts)
     enforce_eager: bool | None = None  # None: eager on CPU (compiling takes minutes), graphs on GPU
+    # None: what is free on the process's device when the engine starts, less 1 GiB (eaglelab.devices)
+    gpu_memory_utilization: float | None = None
     timeout_s: int = 3600
 
     def __post_init__(self):
@@ -262,6 +264,9 @@ class VllmEvalConfig:
         for key, values in lists.items():
             if any(x < 1 for x in values):
                 raise ConfigError(f"eval.vllm.{key} must hold values >= 1, got {values}")
+        share = self.gpu_memory_utilization
+        if share is not None and not 0.0 < share < 1.0:
+            raise ConfigError(f"eval.vllm.gpu_memory_utilization must be in (0, 1) or null, got {share}")
 
 
 @dataclass

@@ -51,9 +51,18 @@ def acceptance_rows(totals: dict[int, AcceptanceCounts], evaluator: str, suite: 
         for k, c in sorted(totals.items())
     ]
     by_pos = [
-        {"suite": suite, "evaluator": evaluator, "k": k, "position": i + 1, "acceptance_rate": r}
+        {
+            "suite": suite,
+            "evaluator": evaluator,
+            "k": k,
+            "position": d + 1,
+            "acceptance_rate": c.per_position[d],  # accepted at d / rounds
+            "conditional_rate": c.conditional[d],  # n-α: accepted at d / rounds that reached d
+            "accepted": c.accepted_per_pos[d],
+            "reached": c.reached[d],
+        }
         for k, c in sorted(totals.items())
-        for i, r in enumerate(c.per_position)
+        for d in range(k)
     ]
     return by_k, by_pos
 
@@ -99,6 +108,7 @@ def held_out_in_vllm(cfg: RunConfig, run_dir: Path, drafter: Eagle3Drafter, serv
         workdir=run_dir / "vllm",
         enforce_eager=v.enforce_eager,
         timeout=v.timeout_s,
+        gpu_memory_utilization=v.gpu_memory_utilization,
     )
 
 
@@ -184,6 +194,7 @@ def evaluate_in_vllm(
     workdir: Path,
     enforce_eager: bool | None = None,
     timeout: int = 3600,
+    gpu_memory_utilization: float | None = None,
 ) -> VllmReport:
     """τ per k and decode speed in vLLM, and the simulated evaluator on exactly the same prompts."""
     from eaglelab.vllm_engine import run_engine
@@ -206,6 +217,7 @@ def evaluate_in_vllm(
         "dtype": dtype,
         "max_model_len": max_model_len,
         "enforce_eager": enforce_eager,
+        "gpu_memory_utilization": gpu_memory_utilization,
         "engines": len(set(ks) | set(throughput_ks)) + bool(throughput_ks),  # one per depth, one without drafts
     }
     result = run_engine(job, workdir, timeout=timeout, desc="evaluate (vLLM)")

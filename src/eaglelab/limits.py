@@ -77,8 +77,6 @@ def check_limits(
     estimate = estimate_memory(cfg, target, drafter, sets)
     log.info("memory estimate: %s", estimate)
     check_fits_memory(estimate)
-    if estimate.device.type == "cuda":  # evaluation runs on the host (Lightning moves the drafter back after fit)
-        check_fits_memory(estimate_host_evaluation(cfg, target, drafter, sets))
     return estimate
 
 
@@ -290,18 +288,9 @@ def estimate_memory(cfg: RunConfig, target: Target, drafter: Eagle3Config, sets:
             f"train.batch_size={cfg.train.batch_size} × {train.bound} × train.ttt_steps={cfg.train.ttt_steps}",
             "train.batch_size, data.max_length or train.ttt_steps",
         )
-    if device.type != "cuda" and sets:
-        stages["evaluate"] = evaluation_cost(cfg, drafter, sets, slack)
+    if sets:  # on the training device, as training (eaglelab.pipeline moves the drafter there after fit)
+        stages["evaluate"] = evaluation_cost(cfg, t, drafter, sets, slack)
     return MemoryEstimate(device, _held_now(device), free_memory(device), stages)
-
-
-def estimate_host_evaluation(
-    cfg: RunConfig, target: Target, drafter: Eagle3Config, sets: list[PromptSet]
-) -> MemoryEstimate:
-    """A GPU run's evaluation, on the host."""
-    cpu = torch.device("cpu")
-    stages = {"evaluate": evaluation_cost(cfg, drafter, sets, ALLOCATOR_SLACK["cpu"])} if sets else {}
-    return MemoryEstimate(cpu, _held_now(cpu), free_memory(cpu), stages)
 
 
 def check_fits_memory(estimate: MemoryEstimate) -> None:
@@ -435,14 +424,16 @@ def unroll_alive_bytes(
 def train_bytes(
     cfg: RunConfig, t: TargetShape, d: Eagle3Config, data: PromptSet, slack: float, device: torch.device
 ) -> float:
-    """The train stage: the drafter (its frozen copy of the embeddings included) and the KL teacher's head rows;
+    """The train stage: the drafter (the target's embeddings, in its dtype, included) and the KL teacher's head rows;
     gradients, AdamW's two moments and the update's temporaries per trainable parameter; one batch's
     activations (autograd's share and the rest), or validation's 2·ttt_steps-step unroll without gradients."""
     train = cfg.train
     lowp, stream = activation_bytes(train.precision)
     p = parameter_bytes(train.precision)
     trainable = _trainable_parameters(d)
-    drafter = (trainable + d.vocab_size * d.hidden_size) * p + d.draft_vocab_size * d.target_hidden_size * 4
+    embed = p if p != 4 else t.dtype_bytes  # the target's dtype, unless a "-true" precision converts the module
+    teacher = d.draft_vocab_size * d.target_hidden_size * 4 if train.loss == "kl" else 0  # KL's head rows
+    drafter = trainable * p + d.vocab_size * d.hidden_size * embed + teacher
     optimizer = trainable * p * 4 + (trainable * lowp if lowp < p else 0)  # + autocast's 16-bit weight copies
     B, T, S, response = train.batch_size, data.sequence, train.ttt_steps, data.response
     kl = train.loss == "kl"
@@ -473,11 +464,11 @@ def kernel_cache_bytes(cfg: RunConfig, d: Eagle3Config, data: PromptSet) -> int:
     return min(steps, data.trained_on) * (2 * lowp * _trainable_parameters(d) + KERNELS_PER_NEW_BATCH)
 
 
-def evaluation_cost(cfg: RunConfig, d: Eagle3Config, sets: list[PromptSet], slack: float) -> StageCost:
+def evaluation_cost(cfg: RunConfig, t: TargetShape, d: Eagle3Config, sets: list[PromptSet], slack: float) -> StageCost:
     """The simulated evaluator (and the drift suite, the same unroll with probes): float32, no gradients, a
     batch of train.batch_size sequences unrolled to max_k steps, plus the drafts and their matches [B, T, K]."""
     B, K = cfg.train.batch_size, max_k(cfg)
-    drafter = (_trainable_parameters(d) + d.vocab_size * d.hidden_size) * 4
+    drafter = _trainable_parameters(d) * 4 + d.vocab_size * d.hidden_size * t.dtype_bytes  # embeddings: target's
 
     def unroll(s: PromptSet) -> int:
         T = s.sequence

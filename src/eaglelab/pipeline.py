@@ -187,7 +187,10 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
         save_drafter(drafter, run_dir / "drafter")
     # Evaluated in float32 whatever train.precision trained it in (a "-true" one: 16 bits), on the training device
     # (Lightning's teardown leaves the module on the CPU).
+    embed = drafter.embed_tokens.weight.data  # stays in the target's dtype, as in training and in vLLM:
+    drafter.embed_tokens.weight.data = embed.new_empty(0)  # set aside, so .float() makes no copy of it
     drafter = drafter.float().to(target_device(cfg.train.accelerator))
+    drafter.embed_tokens.weight.data = embed.to(drafter.d2t.device)
     # 5. Evaluate on the held-out prompts: simulated, then in vLLM.
     record.evaluator = "simulated+vllm" if use_vllm else "simulated"
     with timer("evaluate"):
@@ -393,6 +396,9 @@ def evaluate_held_out(
     by_k, by_pos = acceptance_rows(totals, evaluator="simulated", suite=cfg.eval.prompts)
     metrics.update({f"acceptance_length@k{row['k']}": row["acceptance_length"] for row in by_k})
     metrics.update({f"acceptance_rate@k{row['k']}@pos{row['position']}": row["acceptance_rate"] for row in by_pos})
+    metrics.update(  # n-α where some round reached the position (else it is no measurement, and not in the JSON)
+        {f"conditional_rate@k{r['k']}@pos{r['position']}": r["conditional_rate"] for r in by_pos if r["reached"]}
+    )
     write_csv(run_dir / "acceptance.csv", by_k)
     write_csv(run_dir / "per_position.csv", by_pos)
     return by_k, by_pos

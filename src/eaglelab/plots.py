@@ -23,12 +23,12 @@ def _read(path: Path) -> list[dict]:
 
 def plot_acceptance(run_dir: Path, title: str) -> Path:
     """acceptance.png: τ vs draft depth k (simulated on all held-out prompts; vLLM on its subset when
-    measured), and the simulated per-position acceptance for a few k."""
+    measured), the simulated per-position acceptance for a few k, and n-α by depth at the deepest k."""
     run_dir = Path(run_dir)
     by_k, by_pos = _read(run_dir / "acceptance.csv"), _read(run_dir / "per_position.csv")
     sim = [r for r in by_k if r["evaluator"] == "simulated"]
     ks = [int(r["k"]) for r in sim]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.4), constrained_layout=True)
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(13, 3.4), constrained_layout=True)
     ax1.plot(
         ks,
         [float(r["acceptance_length"]) for r in sim],
@@ -83,6 +83,31 @@ def plot_acceptance(run_dir: Path, title: str) -> Path:
     )
     ax2.grid(alpha=0.3)
     ax2.legend(frameon=False)
+    # n-α at the deepest k each evaluator measured: the rate at depth d among rounds whose chain reached d, which
+    # per-position acceptance folds together with how often chains end before d.
+    for c, evaluator, marker in ((PALETTE[0], "simulated", "o-"), (PALETTE[1], "vllm", "s--")):
+        rows = [r for r in by_pos if r["evaluator"] == evaluator and r.get("conditional_rate") not in (None, "")]
+        if not rows:
+            continue
+        deepest = max(int(r["k"]) for r in rows)
+        rows = [r for r in rows if int(r["k"]) == deepest and int(r["reached"]) > 0]
+        ax3.plot(
+            [int(r["position"]) for r in rows],
+            [float(r["conditional_rate"]) for r in rows],
+            marker,
+            color=c,
+            label=f"{evaluator}, k={deepest}",
+            markerfacecolor="none" if evaluator == "vllm" else c,
+        )
+    ax3.set(
+        xlabel="draft depth d",
+        ylabel="accepted at d / rounds reaching d",
+        ylim=(0, 1),
+        title="acceptance by depth (n-α)",
+        xticks=list(range(1, ks[-1] + 1)),
+    )
+    ax3.grid(alpha=0.3)
+    ax3.legend(frameon=False, fontsize=8)
     suite = by_k[0]["suite"] if by_k else "?"
     fig.suptitle(f"{title} — {suite}", fontsize=10)
     out = run_dir / "acceptance.png"

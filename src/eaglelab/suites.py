@@ -241,6 +241,7 @@ def evaluate_suites(
             "dtype": cfg.target.dtype,
             "max_model_len": serving.max_model_len,
             "enforce_eager": v.enforce_eager,
+            "gpu_memory_utilization": v.gpu_memory_utilization,
             "engines": len(suite_ks(cfg)),
         }
         result = run_engine(job, out_dir / "vllm", timeout=v.timeout_s, desc="suites (vLLM)")

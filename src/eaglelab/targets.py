@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from eaglelab.config import TargetConfig
+from eaglelab.devices import local_cuda_device
 from eaglelab.errors import TargetError, first_line
 from eaglelab.io import atomic_dir, file_lock
 
@@ -314,32 +315,18 @@ def target_device(accelerator: str) -> torch.device:
                 f"train.accelerator={accelerator} but CUDA is not available (torch {torch.__version__}); "
                 "use train.accelerator=cpu (or auto), or a machine with an NVIDIA GPU and a CUDA build of torch"
             )
-        return _local_cuda_device()
+        return local_cuda_device()
     if accelerator == "mps":
         if not torch.backends.mps.is_available():
             raise TargetError("train.accelerator=mps but MPS is not available; use train.accelerator=cpu (or auto)")
         return torch.device("mps")
     if accelerator == "auto":  # what Lightning's auto picks on a CUDA machine, else the CPU
-        return _local_cuda_device() if torch.cuda.is_available() else torch.device("cpu")
+        return local_cuda_device() if torch.cuda.is_available() else torch.device("cpu")
     if accelerator == "tpu":
         # Lightning moves the drafter to the TPU itself; the target only regenerates and captures with HF
         # generate, which eaglelab does not run under XLA (torch_xla is not a dependency): host memory.
         return torch.device("cpu")
     raise TargetError(f"unknown train.accelerator={accelerator!r}; use cpu, gpu, cuda, mps, tpu or auto")
-
-
-def _local_cuda_device() -> torch.device:
-    # LOCAL_RANK: Lightning's DDP children and torchrun. SLURM_LOCALID: a Slurm task that is one DDP rank
-    # (conf/hydra/launcher/slurm.yaml), which loads the target before Lightning reads the Slurm environment.
-    rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
-    count = torch.cuda.device_count()
-    if rank >= count:
-        raise TargetError(
-            f"local rank {rank} but only {count} CUDA device(s) visible "
-            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
-            "let every process of a node see all its devices, or lower train.devices"
-        )
-    return torch.device("cuda", rank)
 
 
 @dataclass(frozen=True)

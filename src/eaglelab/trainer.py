@@ -117,6 +117,9 @@ def train_drafter(
     trainer.save_checkpoint(ckpt)  # the finished state with its metrics (every process joins; process 0 writes)
     if is_primary() and any((run_dir / "logs").glob("metrics.attempt*.csv")):
         merge_logs(run_dir / "logs")
+    # The module and the trainer reference each other: drop the target from the module now, so the device memory
+    # it holds is free when an evaluation engine starts (eaglelab.devices.engine_placement collects the rest).
+    module.online = module.hybrid = None
     return module.drafter, metrics
 
 
@@ -140,7 +143,9 @@ def init_from_target(
     target's. Returns the target's lm_head rows of the draft vocab (the KL teacher)."""
     d = module.drafter
     d.set_vocab(draft_ids)
-    d.embed_tokens.weight.data.copy_(target.embed.float())
+    # The target's own embedding rows in the target's dtype, as vLLM shares them (a float32 copy of an 8B target's
+    # would hold 2.1 GB more per process); frozen, so no optimizer state either.
+    d.embed_tokens.weight.data = target.embed.detach().to(d.embed_tokens.weight.device, copy=True)
     head = target.lm_head.float()[draft_ids].clone()
     if init_lm_head:
         d.lm_head.weight.data.copy_(head)

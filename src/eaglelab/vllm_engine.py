@@ -81,12 +81,18 @@ def run_engine(job: dict, workdir: Path, timeout: int = 3600, desc: str = "vLLM"
     require_vllm()
     from tqdm.auto import tqdm
 
+    from eaglelab.devices import engine_placement
+
     workdir.mkdir(parents=True, exist_ok=True)
     job_path, out_path, log_path = workdir / "vllm_job.json", workdir / "vllm_out.json", workdir / "vllm.log"
     out_path.unlink(missing_ok=True)
+    # On a GPU: this process's own device, and a memory share of what is free there beside what it holds.
+    placement, device_env = engine_placement(job.get("gpu_memory_utilization"))
+    job = {**job, **placement}
     job_path.write_text(json.dumps(job))
     env = {
         **os.environ,
+        **device_env,
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
@@ -161,6 +167,8 @@ def _engine(job: dict, k: int | None = None):
         kwargs["speculative_config"] = {"method": "eagle3", "model": job["drafter"], "num_speculative_tokens": k}
     # CPU: no graph compile (minutes on 2 cores); GPU: CUDA graphs, as served.
     eager = job.get("enforce_eager")
+    if job.get("gpu_memory_utilization") is not None:
+        kwargs["gpu_memory_utilization"] = job["gpu_memory_utilization"]
     return LLM(
         model=job["target"],
         dtype=job["dtype"],
@@ -170,7 +178,7 @@ def _engine(job: dict, k: int | None = None):
         distributed_executor_backend="uni",
         disable_log_stats=False,
         **kwargs,
-    )
+    )  # gpu_memory_utilization: set by the caller on a GPU (eaglelab.devices.engine_placement)
 
 
 def _generate(llm, prompts: list[list[int]], max_tokens, stop_token_ids=None, ignore_eos: bool = False):

@@ -1,0 +1,73 @@
+"""Which CUDA device a process owns, and how much of it a vLLM engine started beside it may take.
+
+A training process holds its target (and, with online features, the training state) on its own device when
+regeneration or evaluation starts a vLLM engine. vLLM asks for `gpu_memory_utilization` × the device's total
+memory (0.92 by default in 0.32) and refuses to start when less is free, so an engine beside a 16 GB target
+never starts on an 80 GB GPU. The engine here gets a share computed from what is free on *this process's*
+device at the moment it starts, less a headroom for the engine process's own CUDA context, and it runs on that
+device (CUDA_VISIBLE_DEVICES of the engine process), not on device 0 of every rank.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+
+import torch
+
+from eaglelab.errors import EaglelabError, TargetError
+
+# Left free beside the engine's share: its process's CUDA context and allocator slack, which vLLM does not count.
+ENGINE_HEADROOM_BYTES = 1 << 30
+# Less than this for weights, activations and KV cache, and an engine cannot serve even the tiny target.
+ENGINE_MIN_BYTES = 2 << 30
+
+
+def local_rank() -> int:
+    # LOCAL_RANK: Lightning's DDP children and torchrun. SLURM_LOCALID: a Slurm task that is one DDP rank
+    # (conf/hydra/launcher/slurm.yaml), which loads the target before Lightning reads the Slurm environment.
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")))
+
+
+def local_cuda_device() -> torch.device:
+    rank, count = local_rank(), torch.cuda.device_count()
+    if rank >= count:
+        raise TargetError(
+            f"local rank {rank} but only {count} CUDA device(s) visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+            "let every process of a node see all its devices, or lower train.devices"
+        )
+    return torch.device("cuda", rank)
+
+
+def engine_placement(utilization: float | None = None) -> tuple[dict, dict]:
+    """-> (job fields, environment) for a vLLM engine process started now by this process: on a CPU box nothing;
+    with CUDA, this process's own device and `gpu_memory_utilization` = (free − headroom) / total, measured after
+    this process has returned its allocator's cached blocks. A `utilization` given (eval.vllm.gpu_memory_utilization)
+    is kept, and refused here in one line if it cannot fit what is free."""
+    if not torch.cuda.is_available():
+        return {}, {}
+    device = local_cuda_device()
+    gc.collect()  # tensors only a reference cycle still holds (a finished trainer's module) are freed first
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    held = torch.cuda.memory_reserved(device)
+    share = (free - ENGINE_HEADROOM_BYTES) / total
+    gib = 1 << 30
+    where = f"{device} has {free / gib:.1f} of {total / gib:.1f} GiB free beside this process ({held / gib:.1f} held)"
+    if utilization is not None:
+        if utilization * total > free - ENGINE_HEADROOM_BYTES:
+            raise EaglelabError(
+                f"eval.vllm.gpu_memory_utilization={utilization} asks for {utilization * total / gib:.1f} GiB but "
+                f"{where}; lower it, or leave it null to take what is free"
+            )
+        share = utilization
+    elif share * total < ENGINE_MIN_BYTES:
+        raise EaglelabError(
+            f"a vLLM engine needs at least {ENGINE_MIN_BYTES / gib:.0f} GiB but {where}; free the device, use a "
+            "smaller target or set eval.vllm.enabled=false (data.regen_backend=hf)"
+        )
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    physical = visible.split(",")[device.index].strip() if visible else str(device.index)
+    return {"gpu_memory_utilization": math.floor(share * 1e4) / 1e4}, {"CUDA_VISIBLE_DEVICES": physical}
