@@ -32,6 +32,7 @@ ABLATION_FLAGS = tuple(f"drafter.{flag}" for flag in VARIANT_FLAGS)
 RESULT_TABLES = [
     "acceptance.csv",
     "per_position.csv",
+    "depth_accuracy.csv",
     "throughput.csv",
     "suites/extrapolation.csv",
     "suites/long_context.csv",

@@ -47,6 +47,7 @@ def test_smoke_run_writes_the_documented_layout(smoke_runs):
         "metrics.json",
         "acceptance.csv",
         "per_position.csv",
+        "depth_accuracy.csv",
         "acceptance.png",
         "drafter/config.json",
         "drafter/model.safetensors",
@@ -188,7 +189,7 @@ def test_run_writes_an_acceptance_figure_of_its_tables(smoke_runs, tmp_path, mon
 
     from eaglelab import plots
 
-    for name in ("acceptance.csv", "per_position.csv"):
+    for name in ("acceptance.csv", "per_position.csv", "depth_accuracy.csv"):
         shutil.copy(smoke_runs.a / name, tmp_path / name)
     kept = []
     monkeypatch.setattr(plots.plt, "close", kept.append)
@@ -204,7 +205,12 @@ def test_run_writes_an_acceptance_figure_of_its_tables(smoke_runs, tmp_path, mon
         expected = [(int(r["position"]), float(r["acceptance_rate"])) for r in rates if int(r["k"]) == k]
         assert line.get_label() == f"k={k}"
         assert list(zip(*line.get_data())) == pytest.approx(expected)
-    ((depths, n_alpha),) = [line.get_data() for line in depth_ax.get_lines()]  # no vLLM in the smoke run
+    (depths, n_alpha), (tf_depths, tf_acc) = [line.get_data() for line in depth_ax.get_lines()]  # no vLLM here
+    by_depth = read_csv(tmp_path / "depth_accuracy.csv")
+    assert list(tf_depths) == list(range(1, 9)) == [int(r["depth"]) for r in by_depth]
+    assert list(tf_acc) == pytest.approx([int(r["correct"]) / int(r["counted"]) for r in by_depth])
+    metrics = json.loads((smoke_runs.a / "metrics.json").read_text())
+    assert [metrics[f"acc@d{d}"] for d in range(1, 9)] == pytest.approx(list(tf_acc))
     deepest = [r for r in rates if r["evaluator"] == "simulated" and r["k"] == "8" and int(r["reached"]) > 0]
     assert list(depths) == [int(r["position"]) for r in deepest] and len(deepest) >= 3
     assert list(n_alpha) == pytest.approx([int(r["accepted"]) / int(r["reached"]) for r in deepest])

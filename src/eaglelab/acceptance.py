@@ -59,6 +59,25 @@ class AcceptanceCounts:
         return [a / r if r else float("nan") for a, r in zip(self.accepted_per_pos, self.reached)]
 
 
+@dataclass
+class DepthAccuracy:
+    """Teacher-forced accuracy by draft depth: at every drafting position, whether the d-th draft (its chain fed
+    the true tokens, as in training) equals the target's token. Needs no surviving chain, so every depth is
+    measured on every position, where n-α at depth d only sees the rounds whose chain got there."""
+
+    depth: int
+    correct: list[int] = field(default_factory=list)
+    counted: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.correct = self.correct or [0] * self.depth
+        self.counted = self.counted or [0] * self.depth
+
+    @property
+    def accuracy(self) -> list[float]:
+        return [c / n if n else float("nan") for c, n in zip(self.correct, self.counted)]
+
+
 def tail_tokens(deepest_k: int) -> int:
     """Tail length a prepared set needs for drafts up to `deepest_k`: the last round drafts from x_{n-3} at the
     latest (x_{n-1} is always the target's own), so its k drafts reach k - 1 tokens past the end. Rounded up to

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from eaglelab.acceptance import AcceptanceCounts
+from eaglelab.acceptance import AcceptanceCounts, DepthAccuracy
 from eaglelab.batches import FeatureDataset, acceptance_counts, collate, move
 from eaglelab.config import RunConfig, vllm_ks
 from eaglelab.drafter import Eagle3Drafter
@@ -23,16 +23,17 @@ log = logging.getLogger("eaglelab")
 
 @torch.no_grad()
 def evaluate_simulated(
-    drafter: Eagle3Drafter, features, max_k: int, batch_size: int = 4
+    drafter: Eagle3Drafter, features, max_k: int, batch_size: int = 4, depth: DepthAccuracy | None = None
 ) -> dict[int, AcceptanceCounts]:
-    """τ and per-position acceptance for every k = 1..max_k over all sequences of `features`."""
+    """τ and per-position acceptance for every k = 1..max_k over all sequences of `features` (and, into `depth`,
+    teacher-forced accuracy at every depth)."""
     drafter.eval()
     data = FeatureDataset(features, list(range(len(features))), with_final=False, with_tail=True)
     totals = {k: AcceptanceCounts(k=k) for k in range(1, max_k + 1)}
     loader = DataLoader(data, batch_size=batch_size, collate_fn=collate)
     device = drafter.d2t.device
     for batch in tqdm(loader, desc="evaluate (simulated)", leave=False):
-        for k, counts in acceptance_counts(drafter, move(batch, device), max_k).items():
+        for k, counts in acceptance_counts(drafter, move(batch, device), max_k, depth=depth).items():
             totals[k].add(counts)
     return totals
 

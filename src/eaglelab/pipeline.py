@@ -18,7 +18,7 @@ import torch
 from omegaconf import OmegaConf
 
 from eaglelab import preemption
-from eaglelab.acceptance import tail_tokens
+from eaglelab.acceptance import DepthAccuracy, tail_tokens
 from eaglelab.batches import OnlineStates
 from eaglelab.config import RunConfig, max_k
 from eaglelab.data.prepare import CaptureSettings, PrepareStats, prepare_features
@@ -392,8 +392,15 @@ def evaluate_held_out(
 ) -> tuple[list[dict], list[dict]]:
     """Simulated τ and per-position acceptance for k = 1..max_k: acceptance.csv, per_position.csv, metrics.
     Written before vLLM runs: if the engine fails, the trained drafter and these tables stay."""
-    totals = evaluate_simulated(drafter, held_out, max_k(cfg), batch_size=cfg.train.batch_size)
+    depth = DepthAccuracy(max_k(cfg))
+    totals = evaluate_simulated(drafter, held_out, max_k(cfg), batch_size=cfg.train.batch_size, depth=depth)
     by_k, by_pos = acceptance_rows(totals, evaluator="simulated", suite=cfg.eval.prompts)
+    by_depth = [
+        {"suite": cfg.eval.prompts, "depth": d + 1, "accuracy": depth.accuracy[d], "correct": c, "counted": n}
+        for d, (c, n) in enumerate(zip(depth.correct, depth.counted))
+    ]  # teacher-forced, on the held-out sequences (validation's val/acc@d is the same measure on its split)
+    metrics.update({f"acc@d{r['depth']}": r["accuracy"] for r in by_depth if r["counted"]})
+    write_csv(run_dir / "depth_accuracy.csv", by_depth)
     metrics.update({f"acceptance_length@k{row['k']}": row["acceptance_length"] for row in by_k})
     metrics.update({f"acceptance_rate@k{row['k']}@pos{row['position']}": row["acceptance_rate"] for row in by_pos})
     metrics.update(  # n-α where some round reached the position (else it is no measurement, and not in the JSON)

@@ -99,6 +99,16 @@ def plot_acceptance(run_dir: Path, title: str) -> Path:
             label=f"{evaluator}, k={deepest}",
             markerfacecolor="none" if evaluator == "vllm" else c,
         )
+    if (run_dir / "depth_accuracy.csv").exists():  # teacher-forced: every position, no surviving chain needed
+        rows = [r for r in _read(run_dir / "depth_accuracy.csv") if int(r["counted"]) > 0]
+        ax3.plot(
+            [int(r["depth"]) for r in rows],
+            [float(r["accuracy"]) for r in rows],
+            ":",
+            color=PALETTE[2],
+            marker="^",
+            label="teacher-forced accuracy",
+        )
     ax3.set(
         xlabel="draft depth d",
         ylabel="accepted at d / rounds reaching d",

@@ -33,6 +33,7 @@ log = logging.getLogger("eaglelab")
 TABLES = [
     "acceptance.csv",
     "per_position.csv",
+    "depth_accuracy.csv",
     "parity.csv",
     "throughput.csv",
     "suites/extrapolation.csv",
