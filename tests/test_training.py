@@ -2,13 +2,15 @@
 non-finite stops on eaglelab's own Lightning trainer."""
 
 import math
+from collections import Counter
 
 import lightning as L
 import pytest
 import torch
 from test_drafter import small_config
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from eaglelab.batches import collate
+from eaglelab.batches import Batch, collate
 from eaglelab.config import TrainConfig
 from eaglelab.errors import TrainingError
 from eaglelab.trainer import make_trainer
@@ -233,3 +235,48 @@ def test_the_drafter_can_start_at_the_targets_last_layer_and_keep_its_lm_head_fr
     module.ttt(hand_batch(), 2)[0].backward()
     assert module.drafter.lm_head.weight.grad is None and module.drafter.norm.weight.grad is None
     assert layer.mlp.up_proj.weight.grad.abs().sum() > 0 and module.drafter.fc.weight.grad.abs().sum() > 0
+
+
+class HostSyncs(TorchDispatchMode):
+    """Counts the operations that make the host wait for the device on a GPU: reading a value (`.item()`, int(),
+    float(), bool() of a tensor: aten._local_scalar_dense), nonzero, and indexing with a boolean mask (forward or
+    backward), which sizes its result from the mask's contents. On the CPU nothing waits; the count is the same."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if name in ("aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select"):
+            self.ops[name] += 1
+        elif name.startswith("aten::index") and len(args) > 1 and isinstance(args[1], list | tuple):
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]):
+                self.ops[f"{name} (boolean mask)"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("steps", [3, 5])
+def test_a_training_step_waits_for_the_device_once_per_draft_step(steps):
+    """The forward and backward of one TTT batch: one host sync to size the packed queries, then one per draft step
+    (the labelled positions' indices). Boolean masks in the unroll or the loss, or per-step .item() of the
+    accuracy, made it 33 at 3 steps."""
+    torch.manual_seed(0)
+    model_cfg = small_config(vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=H_T)
+    train = TrainConfig(ttt_steps=steps)
+    module = DrafterModule(model_cfg, train)
+    module.drafter.set_vocab(torch.arange(DRAFT_VOCAB))
+    B, T = 2, 16
+    batch = Batch(
+        input_ids=torch.randint(0, model_cfg.vocab_size, (B, T)),
+        prompt_len=torch.tensor([3, 5]),
+        seq_len=torch.tensor([16, 12]),
+        index=torch.arange(B),
+        target_next=torch.randint(0, model_cfg.vocab_size, (B, T)),
+        aux=torch.randn(B, T, 3 * H_T),
+    )
+    with HostSyncs() as syncs:
+        loss, _, correct, _ = module.ttt(batch, steps)
+        loss.backward()
+    assert sum(syncs.ops.values()) == 1 + steps, dict(syncs.ops)
+    assert all(isinstance(c, torch.Tensor) for c in correct)  # read when logged, not in the step

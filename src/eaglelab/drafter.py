@@ -566,20 +566,16 @@ class Eagle3Drafter(nn.Module):
         real = t >= first[:, None]
         rows = torch.arange(B, device=device)[:, None]
         hidden = out.hidden[:, T - Tq :]
+        keep = real[..., None]  # [B, Tq, 1]
         for j in range(2, steps + 1):
             step = self.step(padded[rows, t + j], hidden, t + (j - 1), t, caches)
             hidden = step.hidden
+            # [B, Tq, H] -> [B, T, H]: the queries are the last Tq positions, zeros where no query ran (no
+            # boolean indexing: it would wait for the device to count the kept rows, three times a step)
             outs.append(
-                StepOutput(*(self._scatter(x, rows, t, real, T) for x in (step.normed, step.hidden, step.prenorm)))
+                StepOutput(*(F.pad(x * keep, (0, 0, T - Tq, 0)) for x in (step.normed, step.hidden, step.prenorm)))
             )
         return outs
-
-    @staticmethod
-    def _scatter(x: torch.Tensor, rows, t, real, T) -> torch.Tensor:
-        """[B, Tq, H] packed queries -> [B, T, H] with zeros where no query ran."""
-        full = x.new_zeros(x.shape[0], T, x.shape[-1])
-        full[rows.expand_as(t)[real], t[real]] = x[real]
-        return full
 
     def to_target_ids(self, draft_tokens: torch.Tensor) -> torch.Tensor:
         return draft_tokens + self.d2t[draft_tokens]

@@ -251,7 +251,9 @@ class DrafterModule(L.LightningModule):
         target_to_draft = torch.cumsum(d.t2d.long(), 0) - 1  # target id -> draft index (if in vocab)
         total, losses, correct, counted = 0.0, [], [], []
         for j, out in enumerate(outs, start=1):
-            valid = batch.drafting(j)  # only drafts an engine makes: from t >= P-1, inside the sequence
+            # Only drafts an engine makes: from t >= P-1, inside the sequence. Their indices once per step (the one
+            # host sync of a step: a boolean mask would wait for the device at each of its uses, and backward).
+            valid = batch.drafting(j).nonzero(as_tuple=True)
             label = shift(batch.target_next, j)[valid]  # target's greedy token after t+j: [N]
             logp = F.log_softmax(d.lm_head(out.normed[valid]).float(), dim=-1)  # [N, V_draft], loss rows only
             if self.train_cfg.loss == "ce":
@@ -265,7 +267,7 @@ class DrafterModule(L.LightningModule):
             hit = d.to_target_ids(logp.argmax(-1)) == label
             total = total + self.train_cfg.step_decay ** (j - 1) * loss_j
             losses.append(loss_j.detach())
-            correct.append(int(hit.sum()))
+            correct.append(hit.sum())  # a device tensor: read when logged, not here
             counted.append(len(label))
         return total, losses, correct, counted
 
@@ -283,7 +285,7 @@ class DrafterModule(L.LightningModule):
         for j, (l_j, c, n) in enumerate(zip(losses, correct, counted), start=1):
             self.log(f"train/loss@d{j}", l_j, batch_size=bs, sync_dist=True)
             n_mean = per_process_mean(torch.tensor(float(n), device=loss.device))  # NCCL reduces GPU tensors only
-            self.log(f"train/acc@d{j}", c / float(n_mean.clamp(min=1)), batch_size=bs, sync_dist=True)
+            self.log(f"train/acc@d{j}", c / n_mean.clamp(min=1), batch_size=bs, sync_dist=True)
         return loss
 
     def on_validation_epoch_start(self):
@@ -304,7 +306,7 @@ class DrafterModule(L.LightningModule):
             return
         steps = max(self.val_k)
         for j in range(steps):
-            c = sum(r[0][j] for r in self._val_acc)
+            c = int(sum(r[0][j] for r in self._val_acc))
             n = sum(r[1][j] for r in self._val_acc)
             self.log(f"val/acc@d{j + 1}", c / max(n, 1))
         for k, counts in self._val_counts.items():
