@@ -14,14 +14,14 @@ is looked up there from the drafter flags, so the label always names what was tr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
-
-from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from typing import TYPE_CHECKING, Literal
 
 from eaglelab.drafter import DrafterFlags, check_aux_layer_ids
 from eaglelab.errors import ConfigError, first_line
 from eaglelab.variants import VARIANTS, ablation_name
+
+if TYPE_CHECKING:  # Hydra and OmegaConf are imported where configs are composed, not by the drafter's users
+    from omegaconf import DictConfig
 
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -404,7 +404,12 @@ class RunConfig:
 
 
 def register() -> None:
-    """The schema and one `ablation` config per variant, in Hydra's ConfigStore (run on import)."""
+    """The schema and one `ablation` config per variant, in Hydra's ConfigStore (run on import, where Hydra is
+    installed: the drafter, training and the scale rehearsal run without it, as on a bare GPU box)."""
+    try:
+        from hydra.core.config_store import ConfigStore
+    except ImportError:
+        return
     cs = ConfigStore.instance()
     cs.store(name="eaglelab_schema", node=RunConfig)
     for name, flags in VARIANTS.items():
@@ -416,6 +421,8 @@ register()
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
     """The composed Hydra config as typed objects; every `__post_init__` check runs here."""
+    from omegaconf import OmegaConf
+
     plain = OmegaConf.to_container(cfg, resolve=True)
     plain.pop("hydra", None)
     try:

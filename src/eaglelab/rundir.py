@@ -18,7 +18,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 import eaglelab
 from eaglelab import preemption
@@ -124,6 +123,8 @@ def end_attempt(
 def previous_attempt(cfg: RunConfig, run_dir: Path) -> dict:
     """What an earlier start left in `run_dir` ({} if nothing): its run.json, status "complete" once
     metrics.json exists. A directory holding another configuration is refused."""
+    from omegaconf import OmegaConf  # (Hydra's configs: not needed by training as a library)
+
     if not (run_dir / "run.json").exists():
         return {}
     if (run_dir / "config.yaml").exists():
@@ -158,6 +159,8 @@ def adopt_trained_settings(cfg: RunConfig) -> None:
     """Evaluation of a run's drafter: take its variant, seed and ttt_steps from the run's config.yaml,
     so the suites measure extrapolation from the depth it was trained at and the results are labelled
     by what was trained (an exported folder elsewhere keeps the command line's values)."""
+    from omegaconf import OmegaConf  # (Hydra's configs: not needed by training as a library)
+
     path = Path(cfg.checkpoint)
     for candidate in (path, path.parent, path.parent.parent):
         if (candidate / "config.yaml").is_file() and (candidate / "run.json").is_file():

@@ -38,7 +38,9 @@ def variant_of(drafter: Mapping | object) -> str:
 def register_resolver() -> None:
     """`${eaglelab.variant:${drafter}}`, the schema's default `variant`. Registered when `eaglelab` is imported,
     so every process that resolves a config (a submitit or Slurm job too) has it."""
-    from omegaconf import OmegaConf
-
+    try:
+        from omegaconf import OmegaConf
+    except ImportError:  # no configs to resolve (the drafter and training used as a library, a bare GPU box)
+        return
     if not OmegaConf.has_resolver("eaglelab.variant"):
         OmegaConf.register_resolver("eaglelab.variant", variant_of)
