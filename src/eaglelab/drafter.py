@@ -358,9 +358,7 @@ class Attention(nn.Module):
             mask = None
             if cfg.attention_window is not None:
                 mask = self._window_mask(positions[0], query_t[0], torch.arange(T, device=q.device))
-            return F.scaled_dot_product_attention(
-                q, k_ctx, v_ctx, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
-            )
+            return self._sdpa(q, k_ctx, v_ctx, mask, scale)
         rep = h // k_ctx.shape[1]
         scores = torch.cat(self._own_scores(q, own, positions), dim=-1)  # [B, h, Tq, j-1]
         scores = scores.to(torch.promote_types(scores.dtype, torch.float32))  # softmax in float32 at least
@@ -380,10 +378,22 @@ class Attention(nn.Module):
             shift = positions[0, 0] - query_t[0, 0]  # j - 1
             ctx = self._window_mask(rows + shift, rows, torch.arange(T, device=q.device))  # [T + 1, T]
             mask = torch.cat([torch.ones_like(ctx[:, :1]), ctx], dim=1)  # the sink always visible
-        o_x = F.scaled_dot_product_attention(
-            q_x, k_x, v_x, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
-        )[:, :, front:]  # [B, h, Tq, d + pad]
+        o_x = self._sdpa(q_x, k_x, v_x, mask, scale)[:, :, front:]  # [B, h, Tq, d + pad]
         return (o_x[..., :d] + o_x[..., d : d + 1] * own_out).to(q.dtype)  # own_out is float32 at least
+
+    @staticmethod
+    def _sdpa(q, k, v, mask, scale):
+        """Causal (top-left aligned) unless a mask is given. Grouped KV heads go to the kernel as they are where it
+        takes them (the CPU's flash kernel; CUDA's flash kernel, 16-bit only); in float32 on CUDA they are repeated
+        to every head, which the memory-efficient kernel needs (else SDPA would fall back to the math path, which
+        materialises the scores)."""
+        gqa = q.device.type == "cpu" or q.dtype in (torch.float16, torch.bfloat16)
+        if not gqa and k.shape[1] != q.shape[1]:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+        )
 
     def _window_mask(self, q_pos, q_t, k_pos):
         """[tq] position ids and verified positions of queries, [T] key positions -> bool [tq, T]."""
