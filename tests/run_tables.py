@@ -18,9 +18,11 @@ def check_acceptance_tables(run_dir: Path, metrics: dict) -> dict[int, float]:
     accepted/drafts (every accepted draft is at one position). Simulated evaluator; returns {k: τ}."""
     by_k = {int(r["k"]): r for r in read_csv(run_dir / "acceptance.csv") if r["evaluator"] == "simulated"}
     rates: dict[int, list[float]] = {}
+    reached_at: dict[int, list[tuple[int, int]]] = {}
     for r in read_csv(run_dir / "per_position.csv"):
         if r["evaluator"] == "simulated":
             rates.setdefault(int(r["k"]), []).append((int(r["position"]), float(r["acceptance_rate"])))
+            reached_at.setdefault(int(r["k"]), []).append((int(r["position"]), int(r["reached"])))
             # n-α(d) = accepted at d / rounds that reached d, which are the rounds that accepted at d - 1
             accepted, reached = int(r["accepted"]), int(r["reached"])
             key = f"conditional_rate@k{r['k']}@pos{r['position']}"
@@ -40,8 +42,6 @@ def check_acceptance_tables(run_dir: Path, metrics: dict) -> dict[int, float]:
         assert positions == tuple(range(1, k + 1)), k
         assert all(later <= earlier for earlier, later in zip(per_pos, per_pos[1:])), (k, per_pos)
         assert sum(per_pos) == pytest.approx(accepted / drafts, rel=1e-9), k
-        reached = [int(r["reached"]) for r in sorted(
-            (r for r in read_csv(run_dir / "per_position.csv") if r["evaluator"] == "simulated" and int(r["k"]) == k),
-            key=lambda r: int(r["position"]))]  # fmt: skip
+        reached = [n for _, n in sorted(reached_at[k])]
         assert reached[0] == drafts and all(b <= a for a, b in zip(reached, reached[1:])), (k, reached)
     return taus
