@@ -62,3 +62,30 @@ def test_on_a_cpu_box_nothing_is_placed():
     if torch.cuda.is_available():
         pytest.skip("this box has CUDA")
     assert engine_placement() == ({}, {})
+
+
+def test_a_cpu_engines_kv_cache_holds_its_job_and_no_more(tmp_path):
+    """vLLM's CPU backend zeroes a fixed-size KV cache at start (~1.5 s per GiB here): each engine gets what its
+    requests need at once, in whole 128-token blocks at the target's and drafter's bytes per token, twice over; at
+    least one context-window request (vLLM refuses less); at most the 2 GiB every engine got before."""
+    import json
+
+    from eaglelab.vllm_engine import cpu_kv_cache_bytes
+
+    shape = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64}
+    for name, layers in (("target", 8), ("drafter", 1)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**shape, "num_hidden_layers": layers}))
+    per_token = {None: 8 * 2 * 64 * 4, 3: 9 * 2 * 64 * 4}  # K and V, float32; drafting adds the drafter's layer
+    job = {"mode": "evaluate", "target": str(tmp_path / "target"), "drafter": str(tmp_path / "drafter")}
+    job |= {"dtype": "float32", "max_model_len": 256, "prompts": [[1] * 100] * 8, "max_tokens": 24}
+    # 8 requests of 100 + 24 + 3 + 1 tokens: one block each
+    assert cpu_kv_cache_bytes(job, 3) == 2 * 8 * 128 * per_token[3]
+    assert cpu_kv_cache_bytes({**job, "prompts": [[1] * 10]}, None) == 2 * (256 + 128) * per_token[None]  # one request
+    groups = {"a": {"prompts": [[1] * 200] * 3, "max_tokens": [60, 70, 80]}}
+    assert cpu_kv_cache_bytes({**job, "groups": groups}, 3) == 2 * 3 * 3 * 128 * per_token[3]
+    regen = {**job, "mode": "generate", "shards": {"0": [[1] * 100] * 2, "1": [[1] * 120]}, "tail_tokens": 8}
+    regen["max_tokens"] = {"0": [20, 20], "1": [40]}
+    # 100 + 20 + 8 tail + 1 = 129 tokens: two blocks each; 120 + 40 + 8 + 1: two blocks
+    assert cpu_kv_cache_bytes(regen, None) == 2 * (2 + 2 + 2) * 128 * per_token[None]
+    assert cpu_kv_cache_bytes({**job, "prompts": [[1] * 100] * 100_000}, 3) == 2 << 30  # larger jobs queue

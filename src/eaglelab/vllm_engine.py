@@ -94,7 +94,6 @@ def run_engine(job: dict, workdir: Path, timeout: int = 3600, desc: str = "vLLM"
         **os.environ,
         **device_env,
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
     }
     with (
@@ -169,6 +168,8 @@ def _engine(job: dict, k: int | None = None):
     eager = job.get("enforce_eager")
     if job.get("gpu_memory_utilization") is not None:
         kwargs["gpu_memory_utilization"] = job["gpu_memory_utilization"]
+    if not cuda_available() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # the user's GiB, if set, rule
+        kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(job, k)
     return LLM(
         model=job["target"],
         dtype=job["dtype"],
@@ -179,6 +180,44 @@ def _engine(job: dict, k: int | None = None):
         disable_log_stats=False,
         **kwargs,
     )  # gpu_memory_utilization: set by the caller on a GPU (eaglelab.devices.engine_placement)
+
+
+CPU_BLOCK = 128  # tokens per KV block on vLLM's CPU backend: each request holds whole blocks
+CPU_KV_CACHE_MAX = 2 << 30  # what every engine got before its cache was sized (2 GiB): larger jobs queue
+
+
+def _kv_bytes_per_token(model_dir: str, dtype: str) -> int:
+    """K and V of every attention layer of one model, for one token."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    c = {**c.get("text_config", {}), **c}
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    kv_heads = c.get("num_key_value_heads") or c["num_attention_heads"]
+    return c["num_hidden_layers"] * 2 * kv_heads * head_dim * (4 if dtype == "float32" else 2)
+
+
+def cpu_kv_cache_bytes(job: dict, k: int | None) -> int:
+    """The KV cache one CPU engine needs for this job: every request of it in flight at once (whole blocks), at
+    the target's and the drafter's bytes per token, twice over for what vLLM keeps besides, and never less than one
+    request of the context window (vLLM refuses to start with less). vLLM's CPU backend allocates its cache at a
+    fixed size and zeroes it at start (VLLM_CPU_KVCACHE_SPACE, GiB, 2 here before): ~1.5 s per GiB on a 2-core
+    box, and most jobs need a few MB."""
+    per_token = _kv_bytes_per_token(job["target"], job["dtype"])
+    if k is not None:
+        per_token += _kv_bytes_per_token(job["drafter"], job["dtype"])
+    if job["mode"] == "generate":
+        requests = [
+            (p, b + job.get("tail_tokens", 0))
+            for shard, prompts in job["shards"].items()
+            for p, b in zip(prompts, _budgets(job["max_tokens"][shard], len(prompts)))
+        ]
+    else:
+        groups = job.get("groups") or {"": {"prompts": job["prompts"], "max_tokens": job["max_tokens"]}}
+        requests = [
+            (p, b) for g in groups.values() for p, b in zip(g["prompts"], _budgets(g["max_tokens"], len(g["prompts"])))
+        ]
+    blocks = sum(-(-(len(p) + b + (k or 0) + 1) // CPU_BLOCK) for p, b in requests)
+    one_request = 2 * (job["max_model_len"] + CPU_BLOCK) * per_token
+    return max(one_request, min(2 * blocks * CPU_BLOCK * per_token, CPU_KV_CACHE_MAX))
 
 
 def _generate(llm, prompts: list[list[int]], max_tokens, stop_token_ids=None, ignore_eos: bool = False):
@@ -314,14 +353,20 @@ def engine_main(job: dict) -> dict:
     result = {"acceptance": [], "throughput": []}
     ks, throughput_ks = set(job["ks"]), set(job.get("throughput_ks") or [])
     # The no-speculation baseline first (same prompts, same process), then one engine per depth.
-    for k in ([None] if throughput_ks else []) + sorted(ks | throughput_ks):
-        acceptance, throughput = _measure(job, k, acceptance=k in ks, throughput=k is None or k in throughput_ks)
+    depths = ([None] if throughput_ks else []) + sorted(ks | throughput_ks)
+    for i, k in enumerate(depths):
+        last = i == len(depths) - 1  # the process exits after it: no teardown to wait for
+        acceptance, throughput = _measure(
+            job, k, acceptance=k in ks, throughput=k is None or k in throughput_ks, teardown=not last
+        )
         result["acceptance"] += acceptance
         result["throughput"] += throughput
     return result
 
 
-def _measure(job: dict, k: int | None, acceptance: bool, throughput: bool) -> tuple[list[dict], list[dict]]:
+def _measure(
+    job: dict, k: int | None, acceptance: bool, throughput: bool, teardown: bool = True
+) -> tuple[list[dict], list[dict]]:
     """One engine drafting k tokens (None: no speculation) -> its acceptance rows, then its throughput rows."""
     llm = _engine(job, k)
     rows = _acceptance(llm, job, k) if acceptance else []
@@ -329,8 +374,9 @@ def _measure(job: dict, k: int | None, acceptance: bool, throughput: bool) -> tu
         drafts, accepted = sum(r["drafts"] for r in rows), sum(r["accepted"] for r in rows)
         progress(f"k={k}: tau={1 + accepted / max(drafts, 1):.3f}")
     timed = _throughput(llm, job, "eagle3" if k else "none", k) if throughput else []
-    del llm
-    gc.collect()
+    if teardown:  # ~2 s: the next engine may start only once this one's distributed state is gone
+        del llm
+        gc.collect()
     return rows, timed
 
 
@@ -343,6 +389,10 @@ def main() -> None:
     tmp = Path(args.out + ".tmp")
     tmp.write_text(json.dumps(result))
     os.replace(tmp, args.out)  # the caller reads a result only when it is whole
+    # Nothing is left to clean up: the interpreter's own teardown of vLLM and torch takes ~4 s per engine process.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
