@@ -1,13 +1,14 @@
 """Preemption: a training job killed at several points resumes to exactly the uninterrupted result.
 
     python benchmarks/preemption.py [--points data,mid_epoch1,epoch_end,mid_epoch3,evaluate] [--json PATH]
-                                    [-- extra overrides]
+                                    [--chain] [-- extra overrides]
 
 One uninterrupted reference run, then for each kill point a run in its own directory that is killed there
 (SIGKILL: nothing gets to clean up, as when a node dies; `evaluate` uses SIGTERM, as Slurm does first) and
 started again with the same command, which resumes from the run directory. Prints, per point, the step the
 kill hit, whether the drafter weights are bitwise identical to the reference and whether every metric in
-metrics.json is (timings excepted). The same function is what tests/test_sweeps.py runs for two points.
+metrics.json is (timings excepted). tests/test_sweeps.py runs `chain`: one run killed at four points in turn,
+each resume killed again, then run to its end.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ POINTS = {  # name: (what must exist before the kill, the step the checkpoint mu
     "data_sigint": ("run.json", None, signal.SIGINT),  # Ctrl-C while the target loads / the data is prepared
     "train_sigterm": ("lightning/last.ckpt", STEPS_PER_EPOCH + 2, signal.SIGTERM),  # scheduler's TERM mid-epoch
 }
+
+
+# The points one run meets in this order: what `chain` kills it at by default (and tests/test_sweeps.py).
+CHAIN = ["data_sigint", "train_sigterm", "mid_epoch3", "evaluate"]
 
 
 def _cmd(run_dir: Path, overrides: list[str]) -> list[str]:
@@ -124,18 +129,55 @@ def measure(points: list[str], workdir: Path, cache_dir: Path, overrides: list[s
     return rows
 
 
+def chain(points: list[str], workdir: Path, cache_dir: Path, overrides: list[str]) -> dict:
+    """One run killed at each point in turn (in the order a run reaches them), resumed by the same command each
+    time, then run to the end: each resume starts from what the previous one left. -> the kills (point, the step
+    each hit, the status each left) and the final attempt count and comparison with the uninterrupted run."""
+    reference = workdir / "reference"
+    if not (reference / "metrics.json").exists():
+        run_to_end(reference, cache_dir, overrides)
+    run_dir, kills = workdir / "chain", []
+    for point in points:
+        hit = kill_at(point, run_dir, cache_dir, overrides)
+        info = run_dir / "run.json"
+        kills.append({"point": point, "killed_at_step": hit, "status": json.loads(info.read_text()).get("status")})
+    run_to_end(run_dir, cache_dir, overrides)
+    weights, metrics, differ = compare(run_dir, reference)
+    attempts = json.loads((run_dir / "run.json").read_text())["attempt"]
+    return {
+        "kills": kills,
+        "attempts": attempts,
+        "weights_identical": weights,
+        "metrics_identical": metrics,
+        "differing": differ[:5],
+    }
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--points", default=",".join(POINTS))
+    ap.add_argument("--points", help=f"default: all of {','.join(POINTS)}; with --chain, {','.join(CHAIN)}")
     ap.add_argument("--workdir", help="keep runs here (default: a temporary folder)")
     ap.add_argument("--json")
+    ap.add_argument("--chain", action="store_true", help="one run killed at every point in turn (what the test runs)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     import tempfile
 
+    if args.chain:
+        with tempfile.TemporaryDirectory(prefix="eaglelab-preempt-") as tmp:
+            work = Path(args.workdir or tmp)
+            result = chain((args.points or ",".join(CHAIN)).split(","), work, work / "cache", args.overrides)
+        for k in result["kills"]:
+            print(f"{k['point']:<14} killed at step {str(k['killed_at_step']):>5}, left {k['status']}")
+        same = result["weights_identical"] and result["metrics_identical"]
+        print(
+            f"after {result['attempts']} attempts: {'identical to' if same else 'DIFFERENT from'} the uninterrupted run"
+        )
+        sys.exit(0 if same else 1)
+
     with tempfile.TemporaryDirectory(prefix="eaglelab-preempt-") as tmp:
         work = Path(args.workdir or tmp)
-        rows = measure(args.points.split(","), work, work / "cache", args.overrides)
+        rows = measure((args.points or ",".join(POINTS)).split(","), work, work / "cache", args.overrides)
     print(f"{'point':<12}{'killed at step':>15}{'status':>13}{'attempts':>9}{'weights':>9}{'metrics':>9}")
     for r in rows:
         print(

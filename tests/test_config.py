@@ -91,6 +91,18 @@ def test_defaults_and_smoke_experiment(tmp_path):
         assert compose([f"features={kind}"], tmp_path, tmp_path / "r").features.kind == kind
 
 
+def test_vllm_measures_k_1_ttt_and_max_k_unless_asked_for_every_k_or_named_ks(tmp_path):
+    """One engine per depth: the run's default is below, at and past the trained depth; every_k is the full sweep
+    (each engine of it is started the same way: tests/test_vllm.py runs the default three)."""
+    from eaglelab.config import vllm_ks
+
+    assert vllm_ks(compose(["experiment=smoke"], tmp_path, tmp_path / "r")) == [1, 3, 8]
+    assert vllm_ks(compose(["experiment=smoke", "eval.vllm.every_k=true"], tmp_path, tmp_path / "r")) == list(
+        range(1, 9)
+    )
+    assert vllm_ks(compose(["train.ttt_steps=1", "eval.vllm.ks=[5,2,5]"], tmp_path, tmp_path / "r")) == [2, 5]
+
+
 def test_suites_are_config_group_entries(tmp_path):
     from eaglelab.config import max_k, suite_ks
 

@@ -252,6 +252,7 @@ def test_vllm_engine_killed_mid_evaluation_fails_the_run_keeps_training_and_the_
         *SMOKE,
         "eval.vllm.enabled=true",
         "eval.vllm.num_prompts=4",
+        "eval.vllm.ks=[3]",  # one engine: the one killed, then the one that completes
         "eval.vllm.throughput_ks=[]",
         f"hydra.run.dir={run_dir}",
     ]

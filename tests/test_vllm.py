@@ -23,11 +23,11 @@ def read_csv(path):
 
 @pytest.fixture(scope="module")
 def evaluated_run(cache_dir, tmp_path_factory):
-    """A briefly trained EAGLE-3.1 drafter on the tiny target, evaluated by vLLM as every run is, with the full
-    sweep k = 1..8 (eval.vllm.every_k; a run's default is k = 1, ttt, 8), and throughput at concurrency 1/4/16
-    with and without the drafter."""
+    """A briefly trained EAGLE-3.1 drafter on the tiny target, evaluated by vLLM as every run is: k = 1, ttt and
+    max_k = 8 (below, at and past the trained depth; eval.vllm.every_k's full sweep is one engine more per k:
+    tests/test_config.py), and throughput at concurrency 1/4/16 with and without the drafter."""
     root = tmp_path_factory.mktemp("vllm")
-    overrides = ["experiment=smoke", "eval.vllm.enabled=true", "eval.vllm.every_k=true"]
+    overrides = ["experiment=smoke", "eval.vllm.enabled=true"]
     return run(compose(overrides, cache_dir, root / "run"))
 
 
@@ -39,7 +39,7 @@ def test_every_run_is_evaluated_in_vllm(evaluated_run):
     assert info["evaluator"] == "simulated+vllm"
     rows = read_csv(run_dir / "acceptance.csv")
     vllm_ks = [int(r["k"]) for r in rows if r["evaluator"] == "vllm"]
-    assert vllm_ks == list(range(1, 2 * K + 3))
+    assert vllm_ks == [1, K, 2 * K + 2]
     assert all(int(r["drafts"]) > 0 for r in rows)
     per_pos = [r for r in read_csv(run_dir / "per_position.csv") if r["evaluator"] == "vllm" and r["k"] == "8"]
     assert [int(r["position"]) for r in per_pos] == list(range(1, 9))
@@ -79,14 +79,14 @@ def assert_same_counts(row: dict) -> None:
 
 
 def test_simulated_acceptance_matches_vllm(evaluated_run):
-    """Same prompts, checkpoint and k = 1..2·ttt+2 (past the trained depth, and past each sequence's end, where
-    vLLM still drafts k and counts before it truncates): identical counts, so identical τ."""
+    """Same prompts, checkpoint and k = 1, ttt and 2·ttt+2 (past the trained depth, and past each sequence's end,
+    where vLLM still drafts k and counts before it truncates): identical counts, so identical τ."""
     parity = {int(r["k"]): r for r in read_csv(evaluated_run / "parity.csv")}
-    assert sorted(parity) == list(range(1, 2 * K + 3))
+    assert sorted(parity) == [1, K, 2 * K + 2]
     for k, row in parity.items():
         print(f"k={k}: drafts {row['drafts_simulated']}/{row['drafts_vllm']} tau_sim={float(row['tau_simulated']):.4f}")
         assert_same_counts(row)
-    assert sum(map(exact, parity.values())) >= len(parity) - 2, parity  # near-ties are rare: most k are exact
+    assert sum(map(exact, parity.values())) >= len(parity) - 1, parity  # near-ties are rare: most k are exact
     assert int(parity[8]["accepted_vllm"]) > int(parity[1]["accepted_vllm"]) > 0  # deeper drafts were accepted
     metrics = json.loads((evaluated_run / "metrics.json").read_text())
     for what in ("draft", "accepted"):  # metrics.json counts the rows parity.csv shows differing
