@@ -139,3 +139,17 @@ def test_a_signal_while_a_figure_is_drawn_is_acted_on_after_it_is_saved(handlers
         save_figure(fig, tmp_path / "drift.png")
     assert (tmp_path / "drift.png").stat().st_size > 1000 and (tmp_path / "drift.pdf").exists()
     assert preemption.received()["waited_for"] == "figure"
+
+
+def test_a_checkpoint_is_resumed_onto_the_host_first(tmp_path, monkeypatch):
+    """Lightning's strategy reads the resume checkpoint with no map_location; torch.load alone would put every rank's
+    copy where it was saved (cuda:0 on a GPU node). No GPU here: the device asked of torch.load is checked, and the
+    state read back whole."""
+    import torch
+
+    path = tmp_path / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(3)}}, path)
+    asked, load = [], torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **kw: asked.append(kw.get("map_location")) or load(*a, **kw))
+    state = AtomicCheckpointIO().load_checkpoint(path)  # as Lightning's Strategy.load_checkpoint calls it
+    assert asked == ["cpu"] and torch.equal(state["state_dict"]["w"], torch.ones(3))

@@ -122,7 +122,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         with uninterruptible("checkpoint"), atomic_file(Path(path), "wb") as f:
             torch.save(checkpoint, f)
 
-    def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict:
+    def load_checkpoint(self, path, map_location="cpu", weights_only=None) -> dict:
+        # To the host first, as Lightning's own default does: its strategy passes no map_location, and torch.load
+        # would put every rank's copy on the device it was saved from (cuda:0, beside rank 0's target); Lightning
+        # then moves the state to each rank's own device.
         with uninterruptible("checkpoint read"):  # torch.load reads through Python's file from C++ too
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
