@@ -15,8 +15,10 @@ smoke: setup
 	$(PYTHON) src/run.py experiment=smoke $(ARGS)
 
 # Lint and format check first (ruff, configured in pyproject.toml), then the tests. The paper test builds a PDF:
-# LaTeX comes with the test set-up. Two pytest-xdist workers, each taking whole test files (module fixtures are
-# built once; each worker has its own session cache): 1.25x faster than one process on a 2-core box, measured.
+# LaTeX comes with the test set-up. Two pytest-xdist workers, each taking whole test files, longest first (module
+# fixtures are built once; each worker has its own session cache) and each bound to its own core with everything
+# it starts (tests/conftest.py). On the 2-core box, unbound workers were only 1.25x faster than one process: both
+# workers' torch and vLLM OpenMP pools spanned both cores.
 TEST_WORKERS ?= 2
 test:
 	@EAGLELAB_LATEX=1 bash scripts/setup.sh
