@@ -343,6 +343,32 @@ def test_a_changed_config_or_target_never_reuses_a_stale_cache(cache_dir, tmp_pa
     assert len(cache_entries(cache)["regen"]) == n + 1 + n  # every entry of the changed target prepared anew
 
 
+def test_a_damaged_cache_shard_is_named_and_prepared_again_never_read(tmp_path, caplog):
+    """A shard that is not what its entry recorded (cut short, as a half-finished copy to a shared file system
+    leaves it; or gone) is named in one warning and its entry prepared again: the run trains on the same data
+    as before, never on the damaged bytes (which pyarrow would fail on, or read)."""
+    from eaglelab.pipeline import run
+
+    cache = tmp_path / "cache"
+    first = run(compose([*SMOKE, "train.epochs=1"], cache, tmp_path / "first"))
+    (states,) = cache_entries(cache)["features"][:1]
+    shard = sorted(states.glob("shard-*.arrow"))[0]
+    whole = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(whole // 2)
+    tokens = sorted(cache_entries(cache)["regen"][0].glob("shard-*.arrow"))[0]
+    tokens.unlink()
+    again = run(compose([*SMOKE, "train.epochs=1"], cache, tmp_path / "again"))
+    warned = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert any(f"{shard.name} holds {whole // 2} bytes, {whole} were written" in w for w in warned), warned
+    assert any(f"{tokens.name} is missing" in w for w in warned), warned
+    assert shard.stat().st_size == whole and tokens.is_file()  # prepared again, to the same bytes
+    a, b = (json.loads((d / "metrics.json").read_text()) for d in (first, again))
+    assert {k: v for k, v in a.items() if not k.startswith(("time/", "memory/"))} == {
+        k: v for k, v in b.items() if not k.startswith(("time/", "memory/"))
+    }
+
+
 def test_two_runs_into_one_results_root_at_once(tmp_path):
     """Two runs started together on a cold cache and one results root: both complete in their own directories,
     the shared data is prepared once (the other run waits for it) and both train on the same data."""

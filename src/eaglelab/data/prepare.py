@@ -33,6 +33,7 @@ from eaglelab.data.store import (
     StateStore,
     StateWriter,
     TokenStore,
+    damaged,
     entry_lock,
     is_complete,
     mark_complete,
@@ -189,6 +190,10 @@ def prepare_features(
         locks.enter_context(entry_lock(regen_dir))
         if states:
             locks.enter_context(entry_lock(feat_dir))
+        for folder in (regen_dir, feat_dir) if states else (regen_dir,):
+            if is_complete(folder) and (why := damaged(folder)):  # never read as data: prepared again
+                log.warning("%s: cache entry %s is damaged (%s); preparing it again", name, folder, why)
+                shutil.rmtree(folder)
         stats.regen_cached = is_complete(regen_dir)
         stats.capture_cached = not states or is_complete(feat_dir)
         if not stats.regen_cached:
@@ -216,6 +221,8 @@ def prepare_features(
     elapsed = time.perf_counter() - t0
     stats.seconds = {"regenerate": t_regen, "capture": elapsed - t_regen}
     cached = states or (features == "hybrid" and is_complete(feat_dir))
+    if cached and not states and (why := damaged(feat_dir)):  # a hybrid run's published states: its writers' entry
+        raise DataError(f"{name}: cache entry {feat_dir} is damaged ({why}); remove that folder and run again")
     data = Sequences(TokenStore(regen_dir), StateStore(feat_dir) if cached else None, states_dir=feat_dir)
     lengths = data.tokens.lengths()
     stats.sequences = len(data)

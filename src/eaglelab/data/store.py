@@ -20,6 +20,7 @@ stream reaches ~2e4 on sink tokens).
 from __future__ import annotations
 
 import json
+import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -126,7 +127,22 @@ def shards_done(folder: Path) -> set[int]:
 
 
 def mark_complete(folder: Path, meta: dict) -> None:
-    atomic_write_json(Path(folder) / COMPLETE, meta)
+    """The entry is whole: complete.json, with every shard's size as written, so a copy that is not can be told."""
+    shards = sorted(Path(folder).glob("shard-*.arrow"))
+    atomic_write_json(Path(folder) / COMPLETE, {**meta, "shard_bytes": {p.name: p.stat().st_size for p in shards}})
+
+
+def damaged(folder: Path) -> str | None:
+    """What is wrong with a complete entry's shards (missing, or not the size they were written at: truncated,
+    half-copied), in a few words; None when they are whole, or when the entry predates recorded sizes."""
+    recorded = json.loads((Path(folder) / COMPLETE).read_text()).get("shard_bytes", {})
+    for name, size in recorded.items():
+        path = Path(folder) / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} holds {path.stat().st_size} bytes, {size} were written"
+    return None
 
 
 def entry_lock(folder: Path):
@@ -136,8 +152,15 @@ def entry_lock(folder: Path):
 
 
 # --- reading ----------------------------------------------------------------------------------------
-@lru_cache(maxsize=64)  # open readers (footer parsed once); bounded: thousands of shards at 10^8 tokens
 def _state_reader(path: str) -> pa.ipc.RecordBatchFileReader:
+    """An open reader of the shard file at `path` now: one that was rebuilt (a damaged entry prepared again) is a
+    new file, and a reader of the old one would read what was removed."""
+    st = os.stat(path)
+    return _open_reader(path, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=64)  # open readers (footer parsed once); bounded: thousands of shards at 10^8 tokens
+def _open_reader(path: str, inode: int, size: int, mtime_ns: int) -> pa.ipc.RecordBatchFileReader:
     return pa.ipc.open_file(pa.OSFile(path))
 
 
