@@ -89,3 +89,5 @@ def test_a_cpu_engines_kv_cache_holds_its_job_and_no_more(tmp_path):
     # 100 + 20 + 8 tail + 1 = 129 tokens: two blocks each; 120 + 40 + 8 + 1: two blocks
     assert cpu_kv_cache_bytes(regen, None) == 2 * (2 + 2 + 2) * 128 * per_token[None]
     assert cpu_kv_cache_bytes({**job, "prompts": [[1] * 100] * 100_000}, 3) == 2 << 30  # larger jobs queue
+    (tmp_path / "target" / "config.json").write_text(json.dumps({"n_layer": 8, "n_embd": 128}))  # GPT-2's names
+    assert cpu_kv_cache_bytes(job, 3) == 2 << 30  # what every engine got before

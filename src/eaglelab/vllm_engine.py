@@ -201,9 +201,12 @@ def cpu_kv_cache_bytes(job: dict, k: int | None) -> int:
     request of the context window (vLLM refuses to start with less). vLLM's CPU backend allocates its cache at a
     fixed size and zeroes it at start (VLLM_CPU_KVCACHE_SPACE, GiB, 2 here before): ~1.5 s per GiB on a 2-core
     box, and most jobs need a few MB."""
-    per_token = _kv_bytes_per_token(job["target"], job["dtype"])
-    if k is not None:
-        per_token += _kv_bytes_per_token(job["drafter"], job["dtype"])
+    try:
+        per_token = _kv_bytes_per_token(job["target"], job["dtype"])
+        if k is not None:
+            per_token += _kv_bytes_per_token(job["drafter"], job["dtype"])
+    except (OSError, KeyError, TypeError, ValueError, ZeroDivisionError):  # a config of other names: as before
+        return CPU_KV_CACHE_MAX
     if job["mode"] == "generate":
         requests = [
             (p, b + job.get("tail_tokens", 0))
