@@ -128,7 +128,7 @@ def shards_done(folder: Path) -> set[int]:
 
 def mark_complete(folder: Path, meta: dict) -> None:
     """The entry is whole: complete.json, with every shard's size as written, so a copy that is not can be told."""
-    shards = sorted(Path(folder).glob("shard-*.arrow"))
+    shards = sorted(Path(folder).glob("*.arrow"))  # token or state shards; a hybrid run's are named by rank
     atomic_write_json(Path(folder) / COMPLETE, {**meta, "shard_bytes": {p.name: p.stat().st_size for p in shards}})
 
 
