@@ -102,18 +102,29 @@ def compare(run_dir: Path, reference: Path) -> tuple[bool, bool, list[str]]:
     return weights, not differ, differ
 
 
-def measure(points: list[str], workdir: Path, cache_dir: Path, overrides: list[str]) -> list[dict]:
+def _reference(workdir: Path, cache_dir: Path, overrides: list[str]) -> Path:
+    """The uninterrupted run every killed one is compared with (kept in `workdir`, made once)."""
     reference = workdir / "reference"
     if not (reference / "metrics.json").exists():
         run_to_end(reference, cache_dir, overrides)
+    return reference
+
+
+def _record(run_dir: Path) -> dict:
+    """run.json of the run's latest attempt ({} before it has one)."""
+    info = run_dir / "run.json"
+    return json.loads(info.read_text()) if info.exists() else {}
+
+
+def measure(points: list[str], workdir: Path, cache_dir: Path, overrides: list[str]) -> list[dict]:
+    reference = _reference(workdir, cache_dir, overrides)
     rows = []
     for point in points:
         run_dir = workdir / point
         hit = kill_at(point, run_dir, cache_dir, overrides)
-        info = run_dir / "run.json"
-        state = json.loads(info.read_text()).get("status") if info.exists() else None
+        state = _record(run_dir).get("status")
         run_to_end(run_dir, cache_dir, overrides)  # the same command again: resumes
-        attempts = json.loads((run_dir / "run.json").read_text())["attempt"]
+        attempts = _record(run_dir)["attempt"]
         weights, metrics, differ = compare(run_dir, reference)
         rows.append(
             {
@@ -133,20 +144,16 @@ def chain(points: list[str], workdir: Path, cache_dir: Path, overrides: list[str
     """One run killed at each point in turn (in the order a run reaches them), resumed by the same command each
     time, then run to the end: each resume starts from what the previous one left. -> the kills (point, the step
     each hit, the status each left) and the final attempt count and comparison with the uninterrupted run."""
-    reference = workdir / "reference"
-    if not (reference / "metrics.json").exists():
-        run_to_end(reference, cache_dir, overrides)
+    reference = _reference(workdir, cache_dir, overrides)
     run_dir, kills = workdir / "chain", []
     for point in points:
         hit = kill_at(point, run_dir, cache_dir, overrides)
-        info = run_dir / "run.json"
-        kills.append({"point": point, "killed_at_step": hit, "status": json.loads(info.read_text()).get("status")})
+        kills.append({"point": point, "killed_at_step": hit, "status": _record(run_dir).get("status")})
     run_to_end(run_dir, cache_dir, overrides)
     weights, metrics, differ = compare(run_dir, reference)
-    attempts = json.loads((run_dir / "run.json").read_text())["attempt"]
     return {
         "kills": kills,
-        "attempts": attempts,
+        "attempts": _record(run_dir)["attempt"],
         "weights_identical": weights,
         "metrics_identical": metrics,
         "differing": differ[:5],
@@ -163,10 +170,13 @@ def main():
     args = ap.parse_args()
     import tempfile
 
-    if args.chain:
-        with tempfile.TemporaryDirectory(prefix="eaglelab-preempt-") as tmp:
-            work = Path(args.workdir or tmp)
+    with tempfile.TemporaryDirectory(prefix="eaglelab-preempt-") as tmp:
+        work = Path(args.workdir or tmp)
+        if args.chain:
             result = chain((args.points or ",".join(CHAIN)).split(","), work, work / "cache", args.overrides)
+        else:
+            rows = measure((args.points or ",".join(POINTS)).split(","), work, work / "cache", args.overrides)
+    if args.chain:
         for k in result["kills"]:
             print(f"{k['point']:<14} killed at step {str(k['killed_at_step']):>5}, left {k['status']}")
         same = result["weights_identical"] and result["metrics_identical"]
@@ -174,10 +184,6 @@ def main():
             f"after {result['attempts']} attempts: {'identical to' if same else 'DIFFERENT from'} the uninterrupted run"
         )
         sys.exit(0 if same else 1)
-
-    with tempfile.TemporaryDirectory(prefix="eaglelab-preempt-") as tmp:
-        work = Path(args.workdir or tmp)
-        rows = measure((args.points or ",".join(POINTS)).split(","), work, work / "cache", args.overrides)
     print(f"{'point':<12}{'killed at step':>15}{'status':>13}{'attempts':>9}{'weights':>9}{'metrics':>9}")
     for r in rows:
         print(

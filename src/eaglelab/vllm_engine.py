@@ -214,9 +214,10 @@ def cpu_kv_cache_bytes(job: dict, k: int | None) -> int:
             for p, b in zip(prompts, _budgets(job["max_tokens"][shard], len(prompts)))
         ]
     else:
-        groups = job.get("groups") or {"": {"prompts": job["prompts"], "max_tokens": job["max_tokens"]}}
         requests = [
-            (p, b) for g in groups.values() for p, b in zip(g["prompts"], _budgets(g["max_tokens"], len(g["prompts"])))
+            (p, b)
+            for g in _groups(job).values()
+            for p, b in zip(g["prompts"], _budgets(g["max_tokens"], len(g["prompts"])))
         ]
     blocks = sum(-(-(len(p) + b + (k or 0) + 1) // CPU_BLOCK) for p, b in requests)
     one_request = 2 * (job["max_model_len"] + CPU_BLOCK) * per_token
@@ -284,10 +285,15 @@ def _throughput(llm, job: dict, method: str, k: int | None) -> list[dict]:
     return rows
 
 
+def _groups(job: dict) -> dict:
+    """The prompt groups an evaluate job measures separately; without any, its prompts are one unnamed group."""
+    return job.get("groups") or {"": {"prompts": job["prompts"], "max_tokens": job["max_tokens"]}}
+
+
 def _acceptance(llm, job: dict, k: int) -> list[dict]:
     """Counters per prompt group at draft depth k: vLLM's counters are cumulative, so each group's share is the
     difference across its generate call."""
-    groups = job.get("groups") or {"": {"prompts": job["prompts"], "max_tokens": job["max_tokens"]}}
+    groups = _groups(job)
     rows, before = [], _spec_counters(llm, k)
     for name, group in groups.items():
         outs = _generate(llm, group["prompts"], group["max_tokens"], job.get("stop_token_ids"))
