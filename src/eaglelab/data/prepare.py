@@ -37,6 +37,7 @@ from eaglelab.data.store import (
     entry_lock,
     is_complete,
     mark_complete,
+    remove_entry,
     shard_name,
     shards_done,
     state_shards_meta,
@@ -193,7 +194,7 @@ def prepare_features(
         for folder in (regen_dir, feat_dir) if states else (regen_dir,):
             if is_complete(folder) and (why := damaged(folder)):  # never read as data: prepared again
                 log.warning("%s: cache entry %s is damaged (%s); preparing it again", name, folder, why)
-                shutil.rmtree(folder)
+                remove_entry(folder)
         stats.regen_cached = is_complete(regen_dir)
         stats.capture_cached = not states or is_complete(feat_dir)
         if not stats.regen_cached:

@@ -20,7 +20,7 @@ stream reaches ~2e4 on sink tokens).
 from __future__ import annotations
 
 import json
-import os
+import shutil
 from functools import lru_cache
 from pathlib import Path
 
@@ -152,16 +152,16 @@ def entry_lock(folder: Path):
 
 
 # --- reading ----------------------------------------------------------------------------------------
-def _state_reader(path: str) -> pa.ipc.RecordBatchFileReader:
-    """An open reader of the shard file at `path` now: one that was rebuilt (a damaged entry prepared again) is a
-    new file, and a reader of the old one would read what was removed."""
-    st = os.stat(path)
-    return _open_reader(path, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
 @lru_cache(maxsize=64)  # open readers (footer parsed once); bounded: thousands of shards at 10^8 tokens
-def _open_reader(path: str, inode: int, size: int, mtime_ns: int) -> pa.ipc.RecordBatchFileReader:
+def _state_reader(path: str) -> pa.ipc.RecordBatchFileReader:
     return pa.ipc.open_file(pa.OSFile(path))
+
+
+def remove_entry(folder: Path) -> None:
+    """A damaged entry removed to be prepared again. This process's open readers go with it: one kept by path
+    would read the removed file's bytes, not the rebuilt shard's."""
+    shutil.rmtree(folder)
+    _state_reader.cache_clear()
 
 
 class TokenStore:
