@@ -17,6 +17,7 @@ import re
 import sys
 from pathlib import Path
 
+from analysis.paired import paired_rows
 from analysis.store import Run, add_seed_stats, load_or_exit, setups
 
 
@@ -102,6 +103,14 @@ def comparison(runs: list[Run], reference: str = "eagle3") -> list[dict]:
             None,
         )
         row["tau_vs_reference"] = row["tau"] / twin["tau"] if twin else math.nan
+    # τ against the reference paired per prompt and seed (analysis/paired.py): the difference the ratio above hides
+    # the uncertainty of, with its bootstrap interval and whether it is resolved
+    paired = {(p["setup"], p["at"]): p for p in paired_rows(runs, reference) if p["measure"] == "tau"}
+    for row in rows:
+        p = paired.get((row["setup"], groups[row["setup"]][0].ttt), {})
+        row["tau_paired_difference"] = p.get("difference", math.nan)
+        row["tau_paired_ci_low"], row["tau_paired_ci_high"] = p.get("ci_low", math.nan), p.get("ci_high", math.nan)
+        row["tau_paired_resolved"] = p.get("resolved", "")
     return rows
 
 
@@ -119,13 +128,18 @@ def cell(row: dict, key: str, decimals: int, pm: str = " ± ") -> str:
 
 def markdown(rows: list[dict], reference: str) -> str:
     keys = shown_columns(rows)
-    head = ["setup", "seeds", *(COLUMNS[k][0] for k in keys), f"τ / {reference}"]
+    head = ["setup", "seeds", *(COLUMNS[k][0] for k in keys), f"τ / {reference}", f"Δτ − {reference}, paired"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         ratio = "–" if math.isnan(r["tau_vs_reference"]) else f"{r['tau_vs_reference']:.3f}×"
-        lines.append(
-            "| " + " | ".join([r["setup"], str(r["seeds"]), *(cell(r, k, COLUMNS[k][2]) for k in keys), ratio]) + " |"
-        )
+        paired = "–"
+        if not math.isnan(r["tau_paired_difference"]):
+            paired = (
+                f"{r['tau_paired_difference']:+.3f} [{r['tau_paired_ci_low']:+.3f}, {r['tau_paired_ci_high']:+.3f}]"
+            )
+            paired += " resolved" if r["tau_paired_resolved"] else ""
+        cells = [r["setup"], str(r["seeds"]), *(cell(r, k, COLUMNS[k][2]) for k in keys), ratio, paired]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -137,8 +151,8 @@ def write(rows: list[dict], out: Path, reference: str) -> list[Path]:
         writer.writerows(rows)
     (out / "comparison.md").write_text(
         "Mean ± 95% CI (Student t) over seeds; simulated evaluator on the held-out prompts unless the column says "
-        f"vLLM; ratios of seed means against `{reference}` with the same other settings.\n\n"
-        + markdown(rows, reference)
+        f"vLLM; ratios of seed means against `{reference}` with the same other settings; Δτ paired: per prompt and "
+        "seed at k = ttt, 95% bootstrap interval (analysis/paired.py).\n\n" + markdown(rows, reference)
     )
     return [out / "comparison.csv", out / "comparison.md"]
 

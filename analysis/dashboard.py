@@ -94,6 +94,14 @@ def build_report(runs, project: str, entity: str, group: str | None, title: str)
                 "acceptance length τ (vLLM)",
             )
         )
+    by_depth = [
+        line("n-α(d), simulated (deepest k)", "by_depth/depth", "by_depth/n_alpha", "draft depth d", "n-α"),
+        line("teacher-forced accuracy by depth", "by_depth/depth", "by_depth/tf_accuracy", "draft depth d", "accuracy"),
+    ]
+    if seen["vllm"]:
+        by_depth.append(
+            line("n-α(d), vLLM (deepest k)", "by_depth/depth", "by_depth/n_alpha_vllm", "draft depth d", "n-α (vLLM)")
+        )
     blocks = [
         wr.TableOfContents(),
         wr.P(
@@ -103,6 +111,14 @@ def build_report(runs, project: str, entity: str, group: str | None, title: str)
         ),
         wr.H1("Acceptance length vs draft depth"),
         grid(*by_k),
+        wr.H1("Acceptance by depth: where the variants separate"),
+        wr.P(
+            "τ folds every depth into one number and chains rarely survive three drafts, so variants that differ at "
+            "depth look alike in τ. n-α(d) is the acceptance rate at depth d among the rounds whose chain reached d; "
+            "teacher-forced accuracy scores the d-th draft at every position. Paired per-prompt intervals: "
+            "analysis/paired.py."
+        ),
+        grid(*by_depth),
     ]
     if seen["long_context"]:
         blocks += [

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from analysis.paired import paired_rows, setup_levels
 from analysis.scaling import DEEP_K, scaling_rows
 from analysis.store import Run, aggregate, load_or_exit, setups
 from eaglelab.plots import PALETTE, plt, save_figure  # the runs' own palette and PNG+PDF saving
@@ -116,6 +117,52 @@ def fig_extrapolation(groups, colors, out: Path) -> Path | None:
     )
     ax.legend(frameon=False)
     return save_figure(fig, out / "extrapolation.png")
+
+
+def fig_acceptance_by_depth(groups, colors, out: Path, reference: str = "eagle3") -> Path | None:
+    """n-α(d) and teacher-forced accuracy by depth, each setup with its 95% bootstrap band (seeds and prompts);
+    below, each setup minus its reference twin, paired per prompt and seed, with the power line (dashed: the
+    smallest difference resolvable with 80% power). Dotted: the trained depth."""
+    runs = [r for members in groups.values() for r in members]
+    levels = pd.DataFrame(setup_levels(runs))
+    if levels.empty:
+        return None
+    diffs = pd.DataFrame(paired_rows(runs, reference))
+    depths = sorted(levels["at"].unique())
+    fig, axes = plt.subplots(2 if len(diffs) else 1, 2, figsize=(9, 6.4 if len(diffs) else 3.4), squeeze=False)
+    panels = [("n_alpha", "n-α(d): accepted at d / rounds that reached d"), ("tf_acc", "teacher-forced accuracy at d")]
+    for col, (measure, title) in enumerate(panels):
+        ax = axes[0][col]
+        for i, (label, rows) in enumerate(levels[levels["measure"] == measure].groupby("setup", sort=False)):
+            shift = (i - (levels["setup"].nunique() - 1) / 2) * 0.06
+            ax.fill_between(rows["at"] + shift, rows["low"], rows["high"], color=colors[label], alpha=0.18, lw=0)
+            seeds = int(rows["seeds"].iloc[0])
+            ax.plot(rows["at"] + shift, rows["mean"], f"{MARKERS[i % len(MARKERS)]}-", color=colors[label],
+                    label=f"{label} (n={seeds})", markersize=4)  # fmt: skip
+        for t in sorted(levels["ttt"].unique()):
+            ax.axvline(t, color="grey", lw=0.8, ls=":")
+        ax.set(xlabel="draft depth d (dotted: trained depth)", title=title, ylim=(0, None), xticks=depths)
+        ax.grid(alpha=0.3)
+        if len(diffs):
+            ax = axes[1][col]
+            for i, (label, rows) in enumerate(diffs[diffs["measure"] == measure].groupby("setup", sort=False)):
+                shift = (i - (diffs["setup"].nunique() - 1) / 2) * 0.08
+                err = [rows["difference"] - rows["ci_low"], rows["ci_high"] - rows["difference"]]
+                ax.errorbar(rows["at"] + shift, rows["difference"], yerr=err, fmt="o-", color=colors[label],
+                            label=f"{label} − {reference}", **ERR)  # fmt: skip
+                ax.plot(rows["at"], rows["mde80"], "--", color=colors[label], lw=0.9)
+            ax.axhline(0, color="grey", lw=0.8)
+            for t in sorted(levels["ttt"].unique()):
+                ax.axvline(t, color="grey", lw=0.8, ls=":")
+            ax.set(xlabel="draft depth d", title="paired difference, 95% CI (dashed: resolvable at 80% power)")
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(frameon=False)
+    if len(diffs):
+        axes[1][0].legend(frameon=False)
+    fig.suptitle("acceptance by depth (simulated evaluator, held-out prompts; bands: 95% bootstrap over seeds and "
+                 "prompts)", fontsize=9)  # fmt: skip
+    fig.set_layout_engine("constrained")
+    return save_figure(fig, out / "acceptance_by_depth.png")
 
 
 def fig_long_context(groups, colors, out: Path) -> Path | None:
@@ -304,6 +351,7 @@ def fig_data_scaling(groups, colors, out: Path) -> Path | None:
 
 FIGURES = [
     fig_tau_vs_k,
+    fig_acceptance_by_depth,
     fig_extrapolation,
     fig_long_context,
     fig_templates,

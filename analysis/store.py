@@ -33,6 +33,8 @@ RESULT_TABLES = [
     "acceptance.csv",
     "per_position.csv",
     "depth_accuracy.csv",
+    "per_prompt.csv",
+    "per_prompt_depth.csv",
     "throughput.csv",
     "suites/extrapolation.csv",
     "suites/long_context.csv",

@@ -21,6 +21,8 @@ from pathlib import Path
 
 from analysis.compare import COLUMNS, cell, comparison, markdown, shown_columns, write
 from analysis.figures import draw_all, seed_frames
+from analysis.paired import first_resolved, paired_rows
+from analysis.paired import write as write_paired
 from analysis.scaling import DEEP_K, MEASURES, scaling_rows
 from analysis.scaling import write as write_scaling
 from analysis.store import Run, StoreError, load, mean_ci, setups
@@ -35,6 +37,7 @@ LATEX_HINT = (
 )
 # The two tables of the paper: acceptance (what the drafter buys) and robustness (how it holds when shifted).
 ACCEPTANCE = ["tau", "tau_2ttt", "extrapolation", "val_tau", "vllm_tau", "vllm_speedup_c1", "params_m"]
+PAIRED_RESAMPLES = 2000  # bootstrap resamples of the paired comparisons (seeds, then prompts)
 ROBUSTNESS = ["long_vs_short", "worst_template", "context_share_deep", "rms_growth"]
 
 
@@ -110,6 +113,32 @@ def scaling_table(rows: list[dict]) -> str:
     return "\n".join([*lines, r"\bottomrule", r"\end{tabular}"]) + "\n"
 
 
+def paired_table(rows: list[dict]) -> str:
+    """The paired differences against the reference by depth: one block per setup, a row per measure, a column per
+    depth (or k); bold where the 95% interval excludes 0; the power rows give the smallest difference resolvable
+    with 80% power at each depth."""
+    depths = sorted({r["at"] for r in rows})
+    head = ["setup", "", *(f"${d}$" for d in depths)]
+    lines = [r"\begin{tabular}{ll" + "r" * len(depths) + "}", r"\toprule", " & ".join(head) + r" \\", r"\midrule"]
+    labels = {"tau": r"$\Delta\tau(k)$", "n_alpha": r"$\Delta\,n\text{-}\alpha(d)$", "tf_acc": r"$\Delta$acc$(d)$"}
+    for setup in dict.fromkeys(r["setup"] for r in rows):
+        mine = [r for r in rows if r["setup"] == setup]
+        name = f"{tex_escape(setup)} $-$ {tex_escape(mine[0]['reference'])}"
+        for measure, label in labels.items():
+            at = {r["at"]: r for r in mine if r["measure"] == measure}
+            cells = [rf"\textbf{{{at[d]['difference']:+.3f}}}" if at[d]["resolved"] else f"{at[d]['difference']:+.3f}"
+                     if d in at and not math.isnan(at[d]["difference"]) else "--" for d in depths]  # fmt: skip
+            lines.append(" & ".join([name, label, *cells]) + r" \\")
+            name = ""
+        for measure in ("n_alpha", "tf_acc"):
+            at = {r["at"]: r for r in mine if r["measure"] == measure}
+            cells = [f"{at[d]['mde80']:.3f}" if d in at and not math.isnan(at[d]["mde80"]) else "--" for d in depths]
+            lines.append(" & ".join(["", f"resolvable, {labels[measure]}", *cells]) + r" \\")
+        lines.append(r"\midrule")
+    lines[-1] = r"\bottomrule"
+    return "\n".join([*lines, r"\end{tabular}"]) + "\n"
+
+
 def _fmt(value, decimals: int = 3) -> str:
     if isinstance(value, float):
         return "--" if math.isnan(value) else f"{value:.{decimals}f}"
@@ -131,7 +160,7 @@ def _by_value(text: str) -> tuple:
         return (1, 0.0, text)
 
 
-def numbers(runs: list[Run], rows: list[dict], skipped: int, duplicates: int) -> str:
+def numbers(runs: list[Run], rows: list[dict], skipped: int, duplicates: int, paired: list[dict] = ()) -> str:
     """numbers.tex: \\val{setup or variant}{name} for every number the text quotes, \\val{store}{name} for the
     setup, \\val{scaling}{name} for the data-scaling study. An unknown key prints a bold ?? (and the build still
     succeeds), never a stale number."""
@@ -193,6 +222,22 @@ def numbers(runs: list[Run], rows: list[dict], skipped: int, duplicates: int) ->
                 define(key, f"{measure}ci", _fmt(ci, decimals))
                 # "± ci" for the text (math mode), nothing with a single seed
                 define(key, f"{measure}pm", "" if math.isnan(ci) else rf"\pm {ci:.{decimals}f}")
+    define("store", "resamples", str(PAIRED_RESAMPLES))
+    define("store", "power", "80")  # analysis.paired.MDE_Z: a two-sided 5% test with 80% power
+    for setup in dict.fromkeys(r["setup"] for r in paired):  # the paired paragraph: τ at ttt, the deepest depth
+        mine = [r for r in paired if r["setup"] == setup]
+        define(setup, "pairedseeds", str(mine[0]["seeds"]))
+        define(setup, "pairedprompts", str(mine[0]["prompts"]))
+        for measure, short in (("tau", "tau"), ("n_alpha", "na"), ("tf_acc", "tf")):
+            at = {r["at"]: r for r in mine if r["measure"] == measure and not math.isnan(r["difference"])}
+            first = first_resolved(paired, setup, measure)
+            define(setup, f"first{short}", str(first) if first else "no depth measured")
+            for where, d in (("ttt", mine[0]["ttt"]), ("deep", max(at, default=None))):
+                if d in at:
+                    define(setup, f"{short}{where}at", str(d))
+                    define(setup, f"{short}{where}", f"{at[d]['difference']:+.3f}")
+                    define(setup, f"{short}{where}ci", f"[{at[d]['ci_low']:+.3f}, {at[d]['ci_high']:+.3f}]")
+                    define(setup, f"{short}{where}mde", f"{at[d]['mde80']:.3f}")
     lines.append(r"\makeatother")
     return "\n".join(lines) + "\n"
 
@@ -218,8 +263,12 @@ def generate(runs: list[Run], out: Path, skipped: int, duplicates: int, referenc
         written += write_scaling(scaling, tables)
         (tables / "data_scaling.tex").write_text(scaling_table(scaling))
         written.append(tables / "data_scaling.tex")
+    if paired := paired_rows(runs, reference, PAIRED_RESAMPLES):
+        written += write_paired(paired, tables)
+        (tables / "paired.tex").write_text(paired_table(paired))
+        written.append(tables / "paired.tex")
     (out / "generated").mkdir(parents=True, exist_ok=True)
-    (out / "generated" / "numbers.tex").write_text(numbers(runs, rows, skipped, duplicates))
+    (out / "generated" / "numbers.tex").write_text(numbers(runs, rows, skipped, duplicates, paired))
     written.append(out / "generated" / "numbers.tex")
     print(markdown(rows, reference))
     return written

@@ -311,3 +311,22 @@ def test_the_chat_evaluation_set_is_held_out_of_every_training_source():
     texts = {p[0]["content"] for p in chat}
     for source in ("stdlib_docstrings", "pydoc_topics", "python_docstrings"):
         assert not texts & {p[-1]["content"] for p in load_source(source)}
+
+
+def test_validation_is_held_out_by_count_at_every_data_size(cache_dir, tmp_path):
+    """data.val_prompts prompts from the training sources, on top of data.num_prompts: as many validation sequences
+    at 96 training prompts as at 384, none of them trained on, and the same split every time it is drawn."""
+    from eaglelab.pipeline import select_prompts
+
+    from conftest import compose
+
+    key = lambda p: json.dumps(p, sort_keys=True)  # noqa: E731
+    for size in (96, 384):
+        cfg = compose(
+            [f"data.num_prompts={size}", "data.sources=[stdlib_docstrings,python_docstrings]"], cache_dir, tmp_path
+        )
+        prompts = select_prompts(cfg)
+        assert (len(prompts.train), len(prompts.validation)) == (size, cfg.data.val_prompts) == (size, 48)
+        assert not {key(p) for p in prompts.train} & {key(p) for p in prompts.validation}
+        again = select_prompts(cfg)
+        assert [key(p) for p in again.validation] == [key(p) for p in prompts.validation]

@@ -83,7 +83,21 @@ def test_every_run_is_logged_to_wandb_offline_with_curves_tables_and_figures(sto
         assert len(measured) == 2 and sorted(
             float(r["by_length/prompt_tokens"]) for r in logged["history"] if "by_length/prompt_tokens" in r
         ) == pytest.approx(measured)
-        assert len([r for r in logged["history"] if "by_depth/depth" in r]) == 8
+        by_depth = {int(r["by_depth/depth"]): r for r in logged["history"] if "by_depth/depth" in r}
+        assert sorted(by_depth) == list(range(1, 9))
+        # acceptance by depth: teacher-forced accuracy and n-α at the deepest k, as the run's tables hold them
+        tf = [r for r in csv.DictReader(open(run_dir / "depth_accuracy.csv")) if int(r["counted"])]
+        assert {d: float(r["by_depth/tf_accuracy"]) for d, r in by_depth.items() if "by_depth/tf_accuracy" in r} == {
+            int(r["depth"]): pytest.approx(int(r["correct"]) / int(r["counted"])) for r in tf
+        }
+        deepest = [
+            r
+            for r in csv.DictReader(open(run_dir / "per_position.csv"))
+            if r["evaluator"] == "simulated" and r["k"] == "8" and int(r["reached"])
+        ]
+        assert deepest and {
+            d: float(r["by_depth/n_alpha"]) for d, r in by_depth.items() if "by_depth/n_alpha" in r
+        } == {int(r["position"]): pytest.approx(int(r["accepted"]) / int(r["reached"])) for r in deepest}
         # the summary is metrics.json
         assert float(logged["summary"]["acceptance_length@k3"]) == pytest.approx(metrics["acceptance_length@k3"])
         # each condition's ratio to native: its τ over native's τ, from the run's templates table
@@ -137,6 +151,38 @@ def test_comparison_table_aggregates_the_seeds_of_each_variant(store, tmp_path):
     _check_comparison(copy, tmp_path / "moved_out")
 
 
+def test_paired_comparison_pairs_the_same_prompts_and_seeds_and_agrees_with_each_runs_metrics(store, tmp_path):
+    """analysis/paired.py on the store: EAGLE-3.1 against EAGLE-3 over both seeds and every held-out prompt. Each
+    side's level is the seed mean of its runs' metrics.json (τ@k, teacher-forced accuracy acc@d, n-α at k = 8),
+    rebuilt from the per-prompt tables; the difference is their difference; the interval holds it."""
+    out = tmp_path / "paired"
+    proc = script("analysis/paired.py", store, "--out", out, "--resamples", "400")
+    assert proc.returncode == 0, proc.stderr
+    rows = list(csv.DictReader(open(out / "paired.csv")))
+    assert {(r["setup"], r["reference"], r["seeds"]) for r in rows} == {("eagle3.1", "eagle3", "2")}
+    metrics = {}
+    for d in run_dirs(store):
+        metrics.setdefault(d.name.split("_")[1], []).append(json.loads((d / "metrics.json").read_text()))
+    key = {"tau": "acceptance_length@k{}", "tf_acc": "acc@d{}", "n_alpha": "conditional_rate@k8@pos{}"}
+    seen = set()
+    for r in rows:
+        name = key[r["measure"]].format(r["at"])
+        if any(name not in m for ms in metrics.values() for m in ms):
+            continue  # (n-α at a depth no round reached: no measurement on that side)
+        mean = {v: sum(m[name] for m in ms) / len(ms) for v, ms in metrics.items()}
+        assert float(r["variant_mean"]) == pytest.approx(mean["eagle3.1"]), name
+        assert float(r["reference_mean"]) == pytest.approx(mean["eagle3"]), name
+        assert float(r["difference"]) == pytest.approx(mean["eagle3.1"] - mean["eagle3"], abs=1e-9), name
+        assert float(r["ci_low"]) <= float(r["difference"]) <= float(r["ci_high"])
+        assert r["resolved"] == str(float(r["ci_low"]) > 0 or float(r["ci_high"]) < 0)
+        seen.add(r["measure"])
+    assert seen == {"tau", "tf_acc", "n_alpha"}
+    assert int(rows[0]["prompts"]) == json.loads((run_dirs(store)[0] / "metrics.json").read_text())[
+        "data/eval_sequences"
+    ]
+    assert "First resolved" in (out / "paired.md").read_text()
+
+
 def test_dashboard_dry_run_writes_a_report_of_the_metrics_the_runs_logged(store, tmp_path):
     spec_path = tmp_path / "report.json"
     proc = script("analysis/dashboard.py", store, "--group", "grid_sweep", "--dry-run", spec_path)
@@ -146,6 +192,7 @@ def test_dashboard_dry_run_writes_a_report_of_the_metrics_the_runs_logged(store,
     assert {p["type"] for p in panels} == {"LinePlot", "BarPlot"}
     assert [b["text"] for b in spec["blocks"] if b["type"] == "H1"] == [
         "Acceptance length vs draft depth",
+        "Acceptance by depth: where the variants separate",
         "Long context",
         "Chat templates and system prompts",
         "Attention drift per draft depth",
@@ -165,6 +212,7 @@ def test_dashboard_dry_run_writes_a_report_of_the_metrics_the_runs_logged(store,
         logged |= set(w["summary"]) | {k for row in w["history"] for k in row}
     plotted = {m for p in panels for m in (p.get("y") or p.get("metrics"))} | {p["x"] for p in panels if "x" in p}
     assert plotted <= logged, plotted - logged
+    assert {"by_depth/n_alpha", "by_depth/tf_accuracy"} <= plotted
     assert "by_depth/context_share" in plotted and "templates/simulated/ratio_to_native@foreign_llama3@k3" in plotted
 
 
@@ -211,7 +259,9 @@ def test_paper_is_regenerated_by_one_command_and_broken_runs_are_named_and_skipp
     for name, reason in broken.items():  # each broken run named, with why
         assert any(str(copy / name) in line and reason in line for line in proc.stderr.splitlines()), name
     figures = {p.stem for p in (out / "figures").glob("*.png")}
-    assert figures == {"tau_vs_k", "extrapolation", "long_context", "templates", "drift", "fc_balance"}
+    assert figures == {
+        "tau_vs_k", "acceptance_by_depth", "extrapolation", "long_context", "templates", "drift", "fc_balance"
+    }  # fmt: skip
     assert not (out / "tables" / "data_scaling.csv").exists()  # one data size: no scaling to show
     assert all((out / "figures" / f"{f}.pdf").stat().st_size > 1000 for f in figures)
     assert {p.name for p in (out / "tables").iterdir()} >= {
@@ -221,6 +271,8 @@ def test_paper_is_regenerated_by_one_command_and_broken_runs_are_named_and_skipp
         "long_context.tex",
         "comparison.md",
         "comparison.csv",
+        "paired.tex",
+        "paired.csv",
     }
     # the numbers the text quotes are the store's (4 good runs; 4 skipped), not typed ones
     numbers = (out / "generated" / "numbers.tex").read_text()

@@ -37,7 +37,7 @@ def smollm2_run(cache_dir, tmp_path_factory):
     overrides = [
         f"target.dtype={DTYPE}",
         f"train.precision={'bf16-mixed' if BF16 else '32-true'}",
-        "data.num_prompts=6",
+        "data.num_prompts=4",
         "data.sources=[stdlib_docstrings,self_chat]",  # half of them written by SmolLM2 itself
         "data.self_chat.batch_size=4",
         "data.max_new_tokens=16",
@@ -45,7 +45,7 @@ def smollm2_run(cache_dir, tmp_path_factory):
         "eval.num_prompts=4",
         "eval.max_new_tokens=16",
         "drafter.draft_vocab_size=512",
-        "data.val_fraction=0.3",
+        "data.val_prompts=2",
         "train.epochs=12",  # enough steps that drafts are accepted, so parity has counts to compare
         "eval.vllm.throughput_ks=[]",  # decode speed is measured on the tiny target (tests/test_vllm.py)
     ]

@@ -83,8 +83,8 @@ def test_data_scaling_sizes_are_distinct_training_sets(cache_dir, tmp_path):
     data = compose([f"data.num_prompts={sizes[-1]}"], cache_dir, tmp_path).data
     assert "self_chat" in data.sources
     written = lambda count: [[{"role": "user", "content": f"request {i}"}] for i in range(count)]  # noqa: E731
-    prompts = mix_sources(data.sources, data.num_prompts, data.seed, self_chat=written)
-    assert len({json.dumps(p) for p in prompts}) == sizes[-1]
+    prompts = mix_sources(data.sources, data.num_prompts + data.val_prompts, data.seed, self_chat=written)
+    assert len({json.dumps(p) for p in prompts}) == sizes[-1] + data.val_prompts
 
 
 def test_a_run_killed_again_and_again_resumes_to_the_uninterrupted_result(cache_dir, tmp_path, monkeypatch):

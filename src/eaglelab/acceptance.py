@@ -78,6 +78,16 @@ class DepthAccuracy:
         return [c / n if n else float("nan") for c, n in zip(self.correct, self.counted)]
 
 
+@dataclass
+class SequenceCounts:
+    """One sequence's acceptance at every k and teacher-forced accuracy at every depth: the unit a paired
+    comparison resamples (the same prompts under two drafters, analysis/paired.py)."""
+
+    index: int  # the sequence's row in its prepared set
+    by_k: dict[int, AcceptanceCounts]
+    depth: DepthAccuracy
+
+
 def tail_tokens(deepest_k: int) -> int:
     """Tail length a prepared set needs for drafts up to `deepest_k`: the last round drafts from x_{n-3} at the
     latest (x_{n-1} is always the target's own), so its k drafts reach k - 1 tokens past the end. Rounded up to

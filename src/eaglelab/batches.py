@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from eaglelab.acceptance import AcceptanceCounts, DepthAccuracy, simulate
+from eaglelab.acceptance import AcceptanceCounts, DepthAccuracy, SequenceCounts, simulate
 from eaglelab.data.capture import capture_states
 from eaglelab.data.store import (
     Sequences,
@@ -226,12 +226,18 @@ def shift(x: torch.Tensor, by: int, value=0) -> torch.Tensor:
 # --- acceptance from one unrolled forward -----------------------------------------------------
 @torch.no_grad()
 def acceptance_counts(
-    drafter: Eagle3Drafter, batch: Batch, max_k: int, outs: list | None = None, depth: DepthAccuracy | None = None
+    drafter: Eagle3Drafter,
+    batch: Batch,
+    max_k: int,
+    outs: list | None = None,
+    depth: DepthAccuracy | None = None,
+    per_sequence: list[SequenceCounts] | None = None,
 ) -> dict[int, AcceptanceCounts]:
     """Simulated greedy-chain acceptance for every k <= max_k from one max_k-step unroll (`outs`, when
     the caller already ran it). Drafts past a sequence's end are scored against its tail (in input_ids up to
     known_len), as an engine scores them before it truncates; past the known tokens they are misses. `depth`,
-    when given, accumulates the same drafts' teacher-forced accuracy at d = 1..max_k (inside the sequence)."""
+    when given, accumulates the same drafts' teacher-forced accuracy at d = 1..max_k (inside the sequence);
+    `per_sequence`, when given, receives each sequence's own counts of both."""
     outs = outs or drafter.unroll(batch.aux, batch.input_ids, max_k, first=batch.first)
     drafting = batch.drafting(0)  # verified positions t >= P-1 with x_{t+1} in the sequence
     drafts = torch.full(
@@ -244,14 +250,18 @@ def acceptance_counts(
     tokens = batch.input_ids.masked_fill(pos >= known[:, None], -2)  # no draft equals an unknown token
     truth = torch.stack([shift(tokens, j + 1, value=-2) for j in range(1, max_k + 1)], dim=-1)
     matches = drafts == truth  # draft j at s vs x_{s+j+1}
+    inside = torch.stack([batch.drafting(d) for d in range(1, max_k + 1)], dim=-1)  # [B, T, K] scored at depth d
+    correct, counted = (matches & inside).sum(1).tolist(), inside.sum(1).tolist()  # [B][K] each, one sync
     if depth is not None:
-        for d in range(1, max_k + 1):
-            inside = batch.drafting(d)  # the positions training scores at depth d
-            depth.correct[d - 1] += int(matches[..., d - 1][inside].sum())
-            depth.counted[d - 1] += int(inside.sum())
+        for d in range(max_k):
+            depth.correct[d] += sum(row[d] for row in correct)
+            depth.counted[d] += sum(row[d] for row in counted)
     totals = {k: AcceptanceCounts(k=k) for k in range(1, max_k + 1)}
     for b in range(batch.input_ids.shape[0]):
         n, p = int(batch.seq_len[b]), int(batch.prompt_len[b])
+        own = {k: simulate(matches[b, :n], p, n, k) for k in totals}
         for k in totals:
-            totals[k].add(simulate(matches[b, :n], p, n, k))
+            totals[k].add(own[k])
+        if per_sequence is not None:
+            per_sequence.append(SequenceCounts(int(batch.index[b]), own, DepthAccuracy(max_k, correct[b], counted[b])))
     return totals

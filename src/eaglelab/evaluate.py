@@ -3,6 +3,7 @@ served by vLLM next to its target (acceptance per k, decode speedup, parity with
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from eaglelab.acceptance import AcceptanceCounts, DepthAccuracy
+from eaglelab.acceptance import AcceptanceCounts, DepthAccuracy, SequenceCounts
 from eaglelab.batches import FeatureDataset, acceptance_counts, collate, move
 from eaglelab.config import RunConfig, vllm_ks
 from eaglelab.drafter import Eagle3Drafter
@@ -23,17 +24,24 @@ log = logging.getLogger("eaglelab")
 
 @torch.no_grad()
 def evaluate_simulated(
-    drafter: Eagle3Drafter, features, max_k: int, batch_size: int = 4, depth: DepthAccuracy | None = None
+    drafter: Eagle3Drafter,
+    features,
+    max_k: int,
+    batch_size: int = 4,
+    depth: DepthAccuracy | None = None,
+    per_sequence: list[SequenceCounts] | None = None,
 ) -> dict[int, AcceptanceCounts]:
     """τ and per-position acceptance for every k = 1..max_k over all sequences of `features` (and, into `depth`,
-    teacher-forced accuracy at every depth)."""
+    teacher-forced accuracy at every depth; into `per_sequence`, both for each sequence)."""
     drafter.eval()
     data = FeatureDataset(features, list(range(len(features))), with_final=False, with_tail=True)
     totals = {k: AcceptanceCounts(k=k) for k in range(1, max_k + 1)}
     loader = DataLoader(data, batch_size=batch_size, collate_fn=collate)
     device = drafter.d2t.device
     for batch in tqdm(loader, desc="evaluate (simulated)", leave=False):
-        for k, counts in acceptance_counts(drafter, move(batch, device), max_k, depth=depth).items():
+        for k, counts in acceptance_counts(
+            drafter, move(batch, device), max_k, depth=depth, per_sequence=per_sequence
+        ).items():
             totals[k].add(counts)
     return totals
 
@@ -66,6 +74,36 @@ def acceptance_rows(totals: dict[int, AcceptanceCounts], evaluator: str, suite: 
         for d in range(k)
     ]
     return by_k, by_pos
+
+
+def prompt_key(ids) -> str:
+    """A prompt's name across runs: the digest of its token ids (the same held-out prompt under two drafters,
+    whatever order their sets were stored in)."""
+    return hashlib.sha1(" ".join(map(str, ids)).encode()).hexdigest()[:12]
+
+
+def per_prompt_rows(per_sequence: list[SequenceCounts], features, suite: str) -> tuple[list, list]:
+    """Tidy per-prompt tables, what paired comparisons resample: one row per (prompt, k) with its rounds and
+    accepted drafts per position, and one per (prompt, depth) with its teacher-forced correct/counted drafts."""
+    keys = [prompt_key(ids[:p]) for ids, p in zip(features["input_ids"], features["prompt_len"])]
+    acceptance = [
+        {
+            "suite": suite,
+            "prompt": keys[s.index],
+            "k": k,
+            "drafts": c.drafts,
+            "accepted": c.accepted,
+            "accepted_per_pos": " ".join(map(str, c.accepted_per_pos)),
+        }
+        for s in per_sequence
+        for k, c in sorted(s.by_k.items())
+    ]
+    depth = [
+        {"suite": suite, "prompt": keys[s.index], "depth": d + 1, "correct": c, "counted": n}
+        for s in per_sequence
+        for d, (c, n) in enumerate(zip(s.depth.correct, s.depth.counted))
+    ]
+    return acceptance, depth
 
 
 # --- the serving engine's view of the same drafter -------------------------------------------------

@@ -66,14 +66,20 @@ CAPTURE_BATCH = 4  # prepare_features' capture_batch_size
 
 
 def check_limits(
-    cfg: RunConfig, target: Target, drafter: Eagle3Config, train_prompts: list, held_out_prompts: list
+    cfg: RunConfig,
+    target: Target,
+    drafter: Eagle3Config,
+    train_prompts: list,
+    held_out_prompts: list,
+    validation_prompts: list = (),
 ) -> MemoryEstimate:
     """Every limit this run must respect, checked before any work; -> the memory estimate (for metrics.json).
-    The prompts (not yet regenerated) bound the sequences' lengths; `train_prompts` is empty when only evaluating."""
+    The prompts (not yet regenerated) bound the sequences' lengths; `train_prompts` and `validation_prompts` are
+    empty when only evaluating."""
     check_fits_context(cfg, target)
     check_depths_and_lengths(cfg)
     check_precision(cfg, target.device)
-    sets = prompt_sets(cfg, target, train_prompts, held_out_prompts)
+    sets = prompt_sets(cfg, target, train_prompts, held_out_prompts, validation_prompts)
     estimate = estimate_memory(cfg, target, drafter, sets)
     log.info("memory estimate: %s", estimate)
     check_fits_memory(estimate)
@@ -188,28 +194,31 @@ class PromptSet:
     trained_on: int = 0  # sequences outside the validation split (the training set only)
 
 
-def prompt_sets(cfg: RunConfig, target: Target, train_prompts: list, held_out_prompts: list) -> list[PromptSet]:
+def prompt_sets(
+    cfg: RunConfig, target: Target, train_prompts: list, held_out_prompts: list, validation_prompts: list = ()
+) -> list[PromptSet]:
     """The longest prompt of each set in the target's template (prompts that leave no room for an answer are
-    skipped, as `eaglelab.data.prepare` skips them), and so the longest sequence regeneration can make."""
-    from eaglelab.data.prompts import is_validation
+    skipped, as `eaglelab.data.prepare` skips them), and so the longest sequence regeneration can make. The
+    training set is prepared from the training and validation prompts together."""
     from eaglelab.data.templates import renderer
 
     data, suites = cfg.data, cfg.eval.suites
     native = renderer("native", data.system_prompt)
     sets = []
 
-    def add(name, prompts, render, max_new_tokens, limit, batch, at_limit):
+    def add(name, prompts, render, max_new_tokens, limit, batch, at_limit, trained_on=0):
         kept = [(n, m) for n, m in ((len(render(target.tokenizer, m)), m) for m in prompts) if n + 8 <= limit]
         if kept:
             prompt = max(n for n, _ in kept)
             sequence = min(prompt + max_new_tokens, limit)
             bound = at_limit if sequence == limit else f"sequences of up to {sequence} tokens"
-            trained_on = sum(not is_validation(m, data.val_fraction) for _, m in kept) if name == "train" else 0
             response = min(max_new_tokens, sequence - prompt)
             sets.append(PromptSet(name, batch, prompt, sequence, response, bound, trained_on))
 
     limit, at_limit = min(data.max_length, target.max_context), f"data.max_length={data.max_length}"
-    add("train", train_prompts, native, data.max_new_tokens, limit, data.regen_batch_size, at_limit)
+    trained_on = sum(len(native(target.tokenizer, m)) + 8 <= limit for m in train_prompts)  # validation: not trained
+    training_set = [*train_prompts, *validation_prompts]
+    add("train", training_set, native, data.max_new_tokens, limit, data.regen_batch_size, at_limit, trained_on)
     add("held-out", held_out_prompts, native, cfg.eval.max_new_tokens, limit, data.regen_batch_size, at_limit)
     if suites.templates.enabled:  # the held-out prompts under every condition, in the target's whole window
         for condition in suites.templates.conditions:

@@ -22,11 +22,18 @@ from eaglelab.acceptance import DepthAccuracy, tail_tokens
 from eaglelab.batches import OnlineStates
 from eaglelab.config import RunConfig, max_k
 from eaglelab.data.prepare import CaptureSettings, PrepareStats, prepare_features
-from eaglelab.data.prompts import load_source, mix_sources
+from eaglelab.data.prompts import hold_out_for_validation, load_source, mix_sources
 from eaglelab.data.self_chat import self_chat_prompts
 from eaglelab.drafter import Eagle3Config, Eagle3Drafter
 from eaglelab.errors import ConfigError, EaglelabError
-from eaglelab.evaluate import Serving, acceptance_rows, evaluate_simulated, held_out_in_vllm, vllm_wanted
+from eaglelab.evaluate import (
+    Serving,
+    acceptance_rows,
+    evaluate_simulated,
+    held_out_in_vllm,
+    per_prompt_rows,
+    vllm_wanted,
+)
 from eaglelab.export import TargetShape, load_checkpoint, save_drafter
 from eaglelab.io import atomic_write_text, write_csv
 from eaglelab.limits import as_disk_full, check_limits, measured_peaks
@@ -135,7 +142,15 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
     with timer("prompts"):
         prompts = select_prompts(cfg, target)
     # Sizes against this data, target and machine, before any work.
-    memory = check_limits(cfg, target, model_cfg, prompts.train if drafter is None else [], prompts.held_out)
+    training = drafter is None  # else only evaluating: no training data
+    memory = check_limits(
+        cfg,
+        target,
+        model_cfg,
+        prompts.train if training else [],
+        prompts.held_out,
+        prompts.validation if training else [],
+    )
     record.target, record.target_path = target.fingerprint, str(target.path)
     record.checkpoint = str(Path(cfg.checkpoint).resolve()) if cfg.checkpoint else None
     if primary:
@@ -273,8 +288,14 @@ def write_resolved_config(cfg: RunConfig, run_dir: Path, model_cfg: Eagle3Config
 
 @dataclass
 class Prompts:
-    train: list  # training prompts, none of them held out
-    held_out: list  # held-out evaluation prompts
+    train: list  # training prompts
+    validation: list  # validation prompts (data.val_prompts of them), from the training sources, never trained on
+    held_out: list  # held-out evaluation prompts, from another source
+
+    @property
+    def training_set(self) -> list:
+        """What the training data is prepared from: training then validation prompts (the `is_val` column)."""
+        return self.train + self.validation
 
 
 def select_prompts(cfg: RunConfig, target: Target | None = None) -> Prompts:
@@ -297,7 +318,7 @@ def select_prompts(cfg: RunConfig, target: Target | None = None) -> Prompts:
 
     train_prompts = mix_sources(
         cfg.data.sources,
-        cfg.data.num_prompts,
+        cfg.data.num_prompts + cfg.data.val_prompts,
         cfg.data.seed,
         cfg.data.skip_empty,
         with_response=cfg.data.responses == "original",
@@ -308,7 +329,7 @@ def select_prompts(cfg: RunConfig, target: Target | None = None) -> Prompts:
     kept = [p for p in train_prompts if json.dumps(question(p), sort_keys=True) not in held_out]
     if len(kept) < len(train_prompts):
         log.warning("dropped %d training prompts that are also evaluation prompts", len(train_prompts) - len(kept))
-    return Prompts(kept, eval_prompts)
+    return Prompts(*hold_out_for_validation(kept, cfg.data.val_prompts), eval_prompts)
 
 
 def prepare_data(
@@ -336,10 +357,10 @@ def prepare_data(
     if train:
         out.train, train_stats = prepare_features(
             target,
-            prompts.train,
+            prompts.training_set,
             name="train",
             max_new_tokens=cfg.data.max_new_tokens,
-            val_fraction=cfg.data.val_fraction,
+            is_val=[False] * len(prompts.train) + [True] * len(prompts.validation),
             features=cfg.features.kind,
             with_final=cfg.train.loss == "kl",  # the KL teacher's state; CE needs none
             tail_tokens=tail_tokens(2 * cfg.train.ttt_steps),  # validation τ up to k = 2·ttt
@@ -392,8 +413,13 @@ def evaluate_held_out(
 ) -> tuple[list[dict], list[dict]]:
     """Simulated τ and per-position acceptance for k = 1..max_k: acceptance.csv, per_position.csv, metrics.
     Written before vLLM runs: if the engine fails, the trained drafter and these tables stay."""
-    depth = DepthAccuracy(max_k(cfg))
-    totals = evaluate_simulated(drafter, held_out, max_k(cfg), batch_size=cfg.train.batch_size, depth=depth)
+    depth, per_sequence = DepthAccuracy(max_k(cfg)), []
+    totals = evaluate_simulated(
+        drafter, held_out, max_k(cfg), batch_size=cfg.train.batch_size, depth=depth, per_sequence=per_sequence
+    )
+    per_prompt, per_prompt_depth = per_prompt_rows(per_sequence, held_out, cfg.eval.prompts)
+    write_csv(run_dir / "per_prompt.csv", per_prompt)  # what paired comparisons resample (analysis/paired.py)
+    write_csv(run_dir / "per_prompt_depth.csv", per_prompt_depth)
     by_k, by_pos = acceptance_rows(totals, evaluator="simulated", suite=cfg.eval.prompts)
     by_depth = [
         {"suite": cfg.eval.prompts, "depth": d + 1, "accuracy": depth.accuracy[d], "correct": c, "counted": n}

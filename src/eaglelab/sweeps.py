@@ -42,7 +42,7 @@ def objective(cfg, run_dir: Path) -> float | list[float]:
     if missing:
         raise EaglelabError(
             f"objective {missing[0]!r} is not in {run_dir}/metrics.json (e.g. val/ metrics need "
-            "data.val_fraction > 0); name metrics.json keys in objective=[...]"
+            "data.val_prompts > 0); name metrics.json keys in objective=[...]"
         )
     values = [float(metrics[k]) for k in cfg.objective]
     return values[0] if len(values) == 1 else values

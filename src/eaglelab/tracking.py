@@ -6,7 +6,8 @@ files are written, `log_results` adds them (downstream of results: it reads the 
     curves        rows with their own x-axis (W&B `define_metric`), so a dashboard can plot and average
                   them across seeds:  by_k/k           -> by_k/acceptance_length[_vllm], by_k/relative_to_ttt
                                       by_length/prompt_tokens -> by_length/acceptance_length
-                                      by_depth/depth   -> by_depth/{hidden_rms, sink_share, context_share, ...}
+                                      by_depth/depth   -> by_depth/{n_alpha[_vllm], tf_accuracy, hidden_rms,
+                                                          sink_share, context_share, ...}
     tables        every result CSV as a W&B table (tables/acceptance, tables/suites/templates, ...)
     images        every result figure (figures/acceptance, figures/suites/drift, ...)
 Offline by default (no network needed; `wandb sync RUN_DIR/wandb/offline-run-*` uploads later). An online
@@ -51,6 +52,9 @@ FIGURES = [
     "suites/drift.png",
 ]
 DRIFT_MEASURES = ["hidden_rms", "sink_share", "context_share", "draft_share", "recent_share", "entropy"]
+# Acceptance by draft depth d on the held-out prompts: n-α at the deepest k each evaluator ran, and teacher-forced
+# accuracy (depth_accuracy.csv), the measures in which EAGLE-3.1 and EAGLE-3 separate where τ does not.
+DEPTH_MEASURES = ["n_alpha", "n_alpha_vllm", "tf_accuracy"]
 
 
 def tags(cfg: RunConfig) -> list[str]:
@@ -171,13 +175,34 @@ def log_results(cfg: RunConfig, run_dir: Path, metrics: dict) -> None:
     run.finish()
 
 
+def _by_depth(run_dir: Path) -> dict[int, dict]:
+    """depth -> its row of by_depth/ curves: the drift measures, n-α (each evaluator's deepest k; depths no round
+    reached are no measurement and left out) and teacher-forced accuracy."""
+    out: dict[int, dict] = {}
+    if (run_dir / "suites/drift.csv").exists():
+        for r in _rows(run_dir / "suites/drift.csv"):
+            out.setdefault(int(r["depth"]), {}).update({f"by_depth/{m}": float(r[m]) for m in DRIFT_MEASURES})
+    rows = _rows(run_dir / "per_position.csv") if (run_dir / "per_position.csv").exists() else []
+    for evaluator, name in (("simulated", "by_depth/n_alpha"), ("vllm", "by_depth/n_alpha_vllm")):
+        mine = [r for r in rows if r["evaluator"] == evaluator and r.get("conditional_rate") not in (None, "")]
+        deepest = max((int(r["k"]) for r in mine), default=0)
+        for r in mine:
+            if int(r["k"]) == deepest and int(r["reached"]) > 0:
+                out.setdefault(int(r["position"]), {})[name] = float(r["conditional_rate"])
+    if (run_dir / "depth_accuracy.csv").exists():
+        for r in _rows(run_dir / "depth_accuracy.csv"):
+            if int(r["counted"]) > 0:
+                out.setdefault(int(r["depth"]), {})["by_depth/tf_accuracy"] = float(r["accuracy"])
+    return out
+
+
 def _log_results(run, cfg: RunConfig, run_dir: Path, metrics: dict) -> None:
     import wandb
 
     for x, ys in (
         ("by_k/k", ["acceptance_length", "acceptance_length_vllm", "relative_to_ttt"]),
         ("by_length/prompt_tokens", ["acceptance_length"]),
-        ("by_depth/depth", DRIFT_MEASURES),
+        ("by_depth/depth", DRIFT_MEASURES + DEPTH_MEASURES),
     ):
         run.define_metric(x, hidden=False)
         for y in ys:
@@ -203,9 +228,8 @@ def _log_results(run, cfg: RunConfig, run_dir: Path, metrics: dict) -> None:
                         "by_length/acceptance_length": float(r["acceptance_length"]),
                     }
                 )
-    if (run_dir / "suites/drift.csv").exists():
-        for r in _rows(run_dir / "suites/drift.csv"):
-            run.log({"by_depth/depth": int(r["depth"]), **{f"by_depth/{m}": float(r[m]) for m in DRIFT_MEASURES}})
+    for depth, row in sorted(_by_depth(run_dir).items()):
+        run.log({"by_depth/depth": depth, **row})
 
     media = {}
     for name in TABLES:

@@ -55,7 +55,7 @@ def train_drafter(
     val_idx = [i for i, v in enumerate(is_val) if v]
     if not train_idx:
         raise EaglelabError(
-            "no training sequences left after the validation split; lower data.val_fraction or raise data.num_prompts"
+            "no training sequences left once the validation prompts are held out; raise data.num_prompts"
         )
     with_final = cfg.train.loss == "kl"
     train_set = FeatureDataset(features, train_idx, with_final)

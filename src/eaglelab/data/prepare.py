@@ -26,7 +26,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from eaglelab.data.capture import capture_batch
-from eaglelab.data.prompts import Messages, is_validation
+from eaglelab.data.prompts import Messages
 from eaglelab.data.regenerate import Generated, generate, generate_vllm, response_budget, stop_ids
 from eaglelab.data.store import (
     Sequences,
@@ -101,7 +101,7 @@ def prepare_features(
     max_length: int,
     batch_size: int,
     shard_size: int = 128,
-    val_fraction: float = 0.0,
+    is_val: list[bool] | None = None,
     capture_batch_size: int = 4,
     backend: str = "hf",
     render=None,
@@ -115,6 +115,7 @@ def prepare_features(
     messages) -> ids` replaces the native chat template (evaluation suites). `tail_tokens`: greedy tokens kept
     past each sequence's end, for simulated acceptance up to draft depth tail_tokens + 1
     (`eaglelab.acceptance.tail_tokens`). `source` names where the prompts came from (part of the cache key).
+    `is_val` marks each prompt's sequence as validation (the store's `is_val` column).
 
     Prompts that end with an assistant turn (`data.responses=original`) keep that turn as their response instead
     of a regenerated one: the target only captures its states over the source's text (EAGLE-1's fixed-data
@@ -125,9 +126,10 @@ def prepare_features(
     limit = min(max_length, target.max_context)
 
     # 1. Prompts in the target's chat template; those that leave no room for a response are skipped.
+    flags = is_val or [False] * len(prompts)  # per prompt: a validation prompt (never trained on)
     templated, is_val, originals = [], [], []
     stops = sorted(stop_ids(target))  # part of what determines the sequences, and stored with them
-    for messages in prompts:
+    for messages, validation in zip(prompts, flags, strict=True):
         question = messages[:-1] if messages[-1]["role"] == "assistant" else messages
         ids = (
             render(target.tokenizer, question) if render else template_prompt(target.tokenizer, question, system_prompt)
@@ -136,7 +138,7 @@ def prepare_features(
             stats.skipped_too_long += 1
             continue
         templated.append(ids)
-        is_val.append(is_validation(messages, val_fraction))
+        is_val.append(validation)
         if question is not messages:
             answer = template_response(target.tokenizer, messages, system_prompt, ids, set(stops))
             originals.append(answer[: response_budget(len(ids), max_new_tokens, limit)])

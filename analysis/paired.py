@@ -1,0 +1,273 @@
+"""Paired comparisons: each variant against a reference variant on the same held-out prompts and the same seeds.
+
+    python analysis/paired.py results/ [more roots] [--reference eagle3] [--out DIR] [--resamples 2000]
+
+Two drafters scored on the same prompts differ far less than their seed means suggest: most of the spread of τ is
+which prompts are easy, and both drafters see the same ones. So every measure is compared per prompt and seed
+(the run's per_prompt.csv and per_prompt_depth.csv, simulated evaluator) and its uncertainty comes from a
+two-stage bootstrap: seeds resampled, then prompts resampled (the same prompts for both drafters and every seed),
+each measure recomputed as the ratio of sums it is. Measures, each at every depth or k the runs hold:
+
+  tau@k     acceptance length at k drafts a round: (rounds + accepted) / rounds
+  n_alpha@d at the deepest k: accepted at depth d / rounds whose chain reached d (EAGLE's n-α)
+  tf_acc@d  teacher-forced accuracy at depth d: correct d-th drafts / drafted positions (needs no surviving chain)
+
+Per measure: each side's mean, the difference (variant − reference, mean over seeds), its 95% bootstrap interval,
+`resolved` when that interval excludes 0, and the power line `mde80` = (z₀.₉₇₅ + z₀.₈)·SE: the smallest true
+difference this evaluation (its prompts and seeds) resolves four times in five. Writes DIR/paired.{csv,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+from analysis.store import Run, load_or_exit, setups
+
+MDE_Z = float(stats.norm.ppf(0.975) + stats.norm.ppf(0.8))  # 2.80: two-sided 5% test, 80% power
+PER_PROMPT = ("per_prompt", "per_prompt_depth")
+
+
+@dataclass
+class Sums:
+    """A ratio-of-sums measure per seed and prompt: the measure of a set is Σ numerator / Σ denominator."""
+
+    numerator: np.ndarray  # [seeds, prompts]
+    denominator: np.ndarray
+
+
+def measure_sums(run: Run, prompts: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """measure -> (numerator, denominator) per prompt of `prompts`, for one run."""
+    acc, depth = run.tables["per_prompt"], run.tables["per_prompt_depth"]
+    out = {}
+    for k, rows in acc.groupby("k"):
+        rows = rows.set_index("prompt").loc[prompts]
+        out[f"tau@{k}"] = ((rows["drafts"] + rows["accepted"]).to_numpy(float), rows["drafts"].to_numpy(float))
+    deepest = acc[acc["k"] == acc["k"].max()].set_index("prompt").loc[prompts]
+    per_pos = np.array([list(map(int, str(s).split())) for s in deepest["accepted_per_pos"]], dtype=float)  # [P, k]
+    reached = np.concatenate([deepest["drafts"].to_numpy(float)[:, None], per_pos[:, :-1]], axis=1)
+    for d in range(per_pos.shape[1]):
+        out[f"n_alpha@{d + 1}"] = (per_pos[:, d], reached[:, d])
+    for d, rows in depth.groupby("depth"):
+        rows = rows.set_index("prompt").loc[prompts]
+        out[f"tf_acc@{d}"] = (rows["correct"].to_numpy(float), rows["counted"].to_numpy(float))
+    return out
+
+
+def stack(runs: list[Run], prompts: list[str]) -> dict[str, Sums]:
+    """measure -> Sums over the runs (one row per seed, in the runs' order)."""
+    per_run = [measure_sums(r, prompts) for r in runs]
+    shared = set.intersection(*(set(m) for m in per_run))
+    return {
+        name: Sums(np.stack([m[name][0] for m in per_run]), np.stack([m[name][1] for m in per_run]))
+        for name in sorted(shared, key=order)
+    }
+
+
+def order(name: str) -> tuple:
+    family, at = name.split("@")
+    return ({"tau": 0, "n_alpha": 1, "tf_acc": 2}[family], int(at))
+
+
+def resamples(n_seeds: int, n_prompts: int, count: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(seed picks [count, n_seeds], prompt weights [count, n_prompts]): the two-stage bootstrap's draws, shared by
+    every measure and both sides, so each resample compares the two drafters on the same prompts and seeds."""
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, n_seeds, size=(count, n_seeds))
+    weights = rng.multinomial(n_prompts, np.full(n_prompts, 1 / n_prompts), size=count).astype(float)
+    return picks, weights
+
+
+def ratio(s: Sums, weights: np.ndarray | None = None) -> np.ndarray:
+    """Each seed's measure over the prompts, once per resample's prompt weights: [resamples, seeds] (or [seeds])."""
+    if weights is None:
+        num, den = s.numerator.sum(1), s.denominator.sum(1)
+    else:
+        num, den = weights @ s.numerator.T, weights @ s.denominator.T
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(den > 0, num / np.where(den > 0, den, 1), np.nan)
+
+
+def seed_mean(values: np.ndarray, picks: np.ndarray) -> np.ndarray:
+    """Mean over each resample's picked seeds: [resamples] (NaN where none of them measured it)."""
+    with warnings.catch_warnings(action="ignore"):  # (all-NaN columns: numpy's "Mean of empty slice")
+        return np.nanmean(np.take_along_axis(values, picks, axis=1), axis=1)
+
+
+def nanmean(values: np.ndarray) -> float:
+    """Mean of what was measured (NaN: a seed none of whose rounds reached that depth); NaN if nothing was."""
+    return float(np.nanmean(values)) if not np.isnan(values).all() else math.nan
+
+
+def interval(draws: np.ndarray) -> tuple[float, float, float]:
+    """(2.5 %, 97.5 % percentile, standard deviation) of the resamples that measured something."""
+    draws = draws[~np.isnan(draws)]
+    if len(draws) < 2:
+        return math.nan, math.nan, math.nan
+    return float(np.percentile(draws, 2.5)), float(np.percentile(draws, 97.5)), float(draws.std(ddof=1))
+
+
+def level(s: Sums, picks, weights) -> dict:
+    """One side's mean over seeds and its 95% bootstrap interval."""
+    low, high, _ = interval(seed_mean(ratio(s, weights), picks))
+    return {"mean": nanmean(ratio(s)), "low": low, "high": high}
+
+
+def compare(variant: Sums, reference: Sums, picks, weights) -> dict:
+    """variant − reference, paired by seed and prompt: the difference, its interval, SE and power line."""
+    point = ratio(variant) - ratio(reference)
+    draws = seed_mean(ratio(variant, weights) - ratio(reference, weights), picks)
+    low, high, se = interval(draws)
+    return {
+        "difference": nanmean(point),
+        "ci_low": low,
+        "ci_high": high,
+        "se": se,
+        "mde80": MDE_Z * se,
+        "resolved": bool(low > 0 or high < 0),
+    }
+
+
+def twins(runs: list[Run], reference: str) -> list[tuple[str, list[Run], str, list[Run]]]:
+    """(setup, its runs, reference setup, its runs) for every non-reference setup whose twin — the same label with
+    the reference variant — exists."""
+    groups = setups(runs)
+    out = []
+    for label, members in groups.items():
+        variant = members[0].variant
+        if variant == reference:
+            continue
+        ref_label = reference + label.removeprefix(variant)
+        if ref_label in groups:
+            out.append((label, members, ref_label, groups[ref_label]))
+    return out
+
+
+def paired_rows(runs: list[Run], reference: str = "eagle3", count: int = 2000) -> list[dict]:
+    """One row per (setup, measure): the paired comparison of each setup with its reference twin."""
+    rows = []
+    for label, members, ref_label, ref_members in twins(runs, reference):
+        seeds = sorted({r.seed for r in members} & {r.seed for r in ref_members})
+        mine = [next(r for r in members if r.seed == s) for s in seeds]
+        theirs = [next(r for r in ref_members if r.seed == s) for s in seeds]
+        both = mine + theirs
+        if not seeds or not all(all(t in r.tables for t in PER_PROMPT) for r in both):
+            print(f"skipped {label} vs {ref_label}: no seed with per-prompt tables on both sides", file=sys.stderr)
+            continue
+        prompts = sorted(set.intersection(*(set(r.tables["per_prompt"]["prompt"]) for r in both)))
+        ours, ref = stack(mine, prompts), stack(theirs, prompts)
+        picks, weights = resamples(len(seeds), len(prompts), count)
+        for name in (n for n in ours if n in ref):
+            family, at = name.split("@")
+            rows.append(
+                {
+                    "setup": label,
+                    "reference": ref_label,
+                    "measure": family,
+                    "at": int(at),
+                    "ttt": mine[0].ttt,
+                    "seeds": len(seeds),
+                    "prompts": len(prompts),
+                    **{f"variant_{k}": v for k, v in level(ours[name], picks, weights).items()},
+                    **{f"reference_{k}": v for k, v in level(ref[name], picks, weights).items()},
+                    **compare(ours[name], ref[name], picks, weights),
+                }
+            )
+    return rows
+
+
+def setup_levels(runs: list[Run], count: int = 2000) -> list[dict]:
+    """One row per (setup, measure): its mean over seeds and 95% bootstrap interval (seeds, then prompts), for
+    every setup whose runs hold per-prompt tables: the levels the depth figure overlays."""
+    rows = []
+    for label, members in setups(runs).items():
+        members = [r for r in members if all(t in r.tables for t in PER_PROMPT)]
+        if not members:
+            continue
+        prompts = sorted(set.intersection(*(set(r.tables["per_prompt"]["prompt"]) for r in members)))
+        picks, weights = resamples(len(members), len(prompts), count)
+        for name, sums in stack(members, prompts).items():
+            family, at = name.split("@")
+            rows.append(
+                {"setup": label, "variant": members[0].variant, "ttt": members[0].ttt, "measure": family,
+                 "at": int(at), "seeds": len(members), **level(sums, picks, weights)}
+            )  # fmt: skip
+    return rows
+
+
+def first_resolved(rows: list[dict], setup: str, measure: str) -> int | None:
+    """The first depth (or k) at which `measure`'s difference is resolved, for one setup."""
+    hits = [r["at"] for r in rows if r["setup"] == setup and r["measure"] == measure and r["resolved"]]
+    return min(hits) if hits else None
+
+
+NAMES = {"tau": "τ@k", "n_alpha": "n-α(d)", "tf_acc": "teacher-forced acc.(d)"}
+
+
+def markdown(rows: list[dict]) -> str:
+    out = []
+    for setup in dict.fromkeys(r["setup"] for r in rows):
+        mine = [r for r in rows if r["setup"] == setup]
+        first = mine[0]
+        out += [
+            f"### {setup} − {first['reference']} ({first['seeds']} seeds × {first['prompts']} prompts, paired; "
+            f"trained depth {first['ttt']})",
+            "",
+            "| measure | at | variant | reference | difference [95% CI] | resolved | smallest resolvable (80% power) |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in mine:
+            if math.isnan(r["difference"]):  # a depth no round reached on one side: no measurement, no row
+                continue
+            ci = f"[{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]"
+            out.append(
+                f"| {NAMES[r['measure']]} | {r['at']} | {r['variant_mean']:.3f} | {r['reference_mean']:.3f} | "
+                f"{r['difference']:+.3f} {ci} | {'yes' if r['resolved'] else 'no'} | {r['mde80']:.3f} |"
+            )
+        firsts = {m: first_resolved(rows, setup, m) for m in NAMES}
+        out += ["", "First resolved: " + ", ".join(f"{NAMES[m]} at {v or '–'}" for m, v in firsts.items()), ""]
+    return "\n".join(out)
+
+
+def write(rows: list[dict], out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows).to_csv(out / "paired.csv", index=False)
+    (out / "paired.md").write_text(
+        "Paired by seed and prompt (simulated evaluator, held-out prompts); 95% two-stage bootstrap intervals "
+        "(seeds, then prompts); resolved: the interval excludes 0; smallest resolvable: (z0.975 + z0.8)·SE.\n\n"
+        + markdown(rows)
+    )
+    return [out / "paired.csv", out / "paired.md"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("roots", nargs="+", type=Path, help="results directories or run directories")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
+    ap.add_argument("--reference", default="eagle3", help="the variant every other one is paired with")
+    ap.add_argument("--resamples", type=int, default=2000)
+    args = ap.parse_args(argv)
+    rows = paired_rows(load_or_exit(args.roots), args.reference, args.resamples)
+    if not rows:
+        print(
+            f"error: no setup has a {args.reference} twin with per-prompt tables (per_prompt.csv) for a shared seed; "
+            f"train both, e.g. `python src/run.py -m +sweep=paper`",
+            file=sys.stderr,
+        )
+        return 2
+    paths = write(rows, args.out)
+    print(markdown(rows))
+    print(f"-> {', '.join(map(str, paths))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""The paired bootstrap of analysis/paired.py on per-prompt tables made here: it finds no difference where there is
+none, resolves one that every prompt shows, computes n-α from the counts as EAGLE does, and its power line shrinks
+as 1/√prompts."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from analysis.paired import paired_rows
+from analysis.store import Run
+
+
+def run(variant: str, seed: int, accepted: np.ndarray, prompts: list[str]) -> Run:
+    """A run whose k=2 rounds per prompt are 10 drafts, `accepted[p]` of them accepted at depth 1 and half of those
+    again at depth 2; its teacher-forced accuracy counts the same."""
+    per_prompt, depth = [], []
+    for p, a in zip(prompts, accepted):
+        a = int(a)
+        per_prompt += [
+            {"prompt": p, "k": 1, "drafts": 10, "accepted": a, "accepted_per_pos": f"{a}"},
+            {"prompt": p, "k": 2, "drafts": 10, "accepted": a + a // 2, "accepted_per_pos": f"{a} {a // 2}"},
+        ]
+        depth += [
+            {"prompt": p, "depth": 1, "correct": a, "counted": 10},
+            {"prompt": p, "depth": 2, "correct": a // 2, "counted": 10},
+        ]
+    tables = {"per_prompt": pd.DataFrame(per_prompt), "per_prompt_depth": pd.DataFrame(depth)}
+    return Run(dir=None, variant=variant, seed=seed, ttt=1, config={}, metrics={}, tables=tables, setup=variant)
+
+
+def rows_of(runs) -> dict:
+    return {(r["measure"], r["at"]): r for r in paired_rows(runs, "eagle3", count=1000)}
+
+
+def test_identical_drafters_differ_by_nothing_and_are_not_resolved():
+    rng = np.random.default_rng(0)
+    prompts = [f"p{i}" for i in range(40)]
+    runs = []
+    for seed in range(3):
+        accepted = rng.integers(0, 10, size=40)
+        runs += [run("eagle3.1", seed, accepted, prompts), run("eagle3", seed, accepted, prompts)]
+    for row in rows_of(runs).values():
+        assert row["difference"] == 0 and not row["resolved"]
+
+
+def test_a_difference_every_prompt_shows_is_resolved_and_n_alpha_is_accepted_over_reached():
+    rng = np.random.default_rng(1)
+    prompts = [f"p{i}" for i in range(40)]
+    runs = []
+    for seed in range(3):
+        base = rng.integers(2, 8, size=40)
+        runs += [run("eagle3.1", seed, base + 2, prompts), run("eagle3", seed, base, prompts)]
+    rows = rows_of(runs)
+    for key in (("tau", 1), ("tau", 2), ("tf_acc", 1), ("n_alpha", 1)):
+        assert rows[key]["resolved"] and rows[key]["ci_low"] > 0, key
+    # n-α at depth 2 = accepted at 2 / rounds that reached 2 (= accepted at 1), summed over prompts, seed-averaged
+    ours = np.mean([np.sum(a // 2) / np.sum(a) for a in _accepted_at_depth_1(runs)])
+    assert rows[("n_alpha", 2)]["variant_mean"] == pytest.approx(ours)
+    assert rows[("tau", 1)]["difference"] == pytest.approx(0.2)  # 2 more accepted of 10 drafts at every prompt
+
+
+def _accepted_at_depth_1(runs):
+    """Each EAGLE-3.1 run's accepted-at-depth-1 counts, back from its table."""
+    for r in runs:
+        if r.variant == "eagle3.1":
+            t = r.tables["per_prompt"]
+            yield t[t["k"] == 1]["accepted"].to_numpy()
+
+
+def test_the_power_line_shrinks_as_one_over_root_prompts():
+    rng = np.random.default_rng(2)
+    se = {}
+    for n in (50, 200):
+        prompts = [f"p{i}" for i in range(n)]
+        runs = []
+        for seed in range(3):
+            base = rng.integers(0, 10, size=n)
+            noise = rng.integers(-2, 3, size=n)
+            runs += [run("eagle3.1", seed, np.clip(base + noise, 0, 10), prompts), run("eagle3", seed, base, prompts)]
+        se[n] = rows_of(runs)[("tf_acc", 1)]["mde80"]
+    assert se[200] == pytest.approx(se[50] / 2, rel=0.35)
