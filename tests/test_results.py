@@ -177,9 +177,9 @@ def test_paired_comparison_pairs_the_same_prompts_and_seeds_and_agrees_with_each
         assert r["resolved"] == str(float(r["ci_low"]) > 0 or float(r["ci_high"]) < 0)
         seen.add(r["measure"])
     assert seen == {"tau", "tf_acc", "n_alpha"}
-    assert int(rows[0]["prompts"]) == json.loads((run_dirs(store)[0] / "metrics.json").read_text())[
-        "data/eval_sequences"
-    ]
+    assert (
+        int(rows[0]["prompts"]) == json.loads((run_dirs(store)[0] / "metrics.json").read_text())["data/eval_sequences"]
+    )
     assert "First resolved" in (out / "paired.md").read_text()
 
 
