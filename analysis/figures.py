@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis.paired import paired_rows, setup_levels
+from analysis.paired import MIN_COUNT, paired_rows, setup_levels
 from analysis.scaling import DEEP_K, scaling_rows
 from analysis.store import Run, aggregate, load_or_exit, setups
 from eaglelab.plots import PALETTE, plt, save_figure  # the runs' own palette and PNG+PDF saving
@@ -122,12 +122,15 @@ def fig_extrapolation(groups, colors, out: Path) -> Path | None:
 def fig_acceptance_by_depth(groups, colors, out: Path, reference: str = "eagle3") -> Path | None:
     """n-α(d) and teacher-forced accuracy by depth, each setup with its 95% bootstrap band (seeds and prompts);
     below, each setup minus its reference twin, paired per prompt and seed, with the power line (dashed: the
-    smallest difference resolvable with 80% power). Dotted: the trained depth."""
+    smallest difference resolvable with 80% power). Dotted: the trained depth. Depths where a seed counted fewer than
+    MIN_COUNT rounds (n-α: rounds that reached d) are left out."""
     runs = [r for members in groups.values() for r in members]
     levels = pd.DataFrame(setup_levels(runs))
     if levels.empty:
         return None
+    levels = levels[levels["counted"] >= MIN_COUNT]  # depths a handful of chains reached: no measurement to plot
     diffs = pd.DataFrame(paired_rows(runs, reference))
+    diffs = diffs[diffs["counted"] >= MIN_COUNT] if len(diffs) else diffs
     depths = sorted(levels["at"].unique())
     fig, axes = plt.subplots(2 if len(diffs) else 1, 2, figsize=(9, 6.4 if len(diffs) else 3.4), squeeze=False)
     panels = [("n_alpha", "n-α(d): accepted at d / rounds that reached d"), ("tf_acc", "teacher-forced accuracy at d")]
@@ -154,7 +157,11 @@ def fig_acceptance_by_depth(groups, colors, out: Path, reference: str = "eagle3"
             ax.axhline(0, color="grey", lw=0.8)
             for t in sorted(levels["ttt"].unique()):
                 ax.axvline(t, color="grey", lw=0.8, ls=":")
-            ax.set(xlabel="draft depth d", title="paired difference, 95% CI (dashed: resolvable at 80% power)")
+            ax.set(
+                xlabel="draft depth d",
+                title="paired difference, 95% CI (dashed: resolvable at 80% power)",
+                xticks=depths,
+            )
             ax.grid(alpha=0.3)
     axes[0][0].legend(frameon=False)
     if len(diffs):

@@ -13,7 +13,8 @@ each measure recomputed as the ratio of sums it is. Measures, each at every dept
   tf_acc@d  teacher-forced accuracy at depth d: correct d-th drafts / drafted positions (needs no surviving chain)
 
 Per measure: each side's mean, the difference (variant − reference, mean over seeds), its 95% bootstrap interval,
-`resolved` when that interval excludes 0, and the power line `mde80` = (z₀.₉₇₅ + z₀.₈)·SE: the smallest true
+`resolved` when that interval excludes 0 (and each side counted MIN_COUNT rounds or more in every seed:
+`counted`), and the power line `mde80` = (z₀.₉₇₅ + z₀.₈)·SE: the smallest true
 difference this evaluation (its prompts and seeds) resolves four times in five. Writes DIR/paired.{csv,md}.
 """
 
@@ -34,6 +35,9 @@ from analysis.store import Run, load_or_exit, setups
 
 MDE_Z = float(stats.norm.ppf(0.975) + stats.norm.ppf(0.8))  # 2.80: two-sided 5% test, 80% power
 PER_PROMPT = ("per_prompt", "per_prompt_depth")
+# A difference is called resolved only where each side counted at least this many rounds (n-α: rounds that reached
+# d) in every seed: a depth a handful of chains reached gives intervals of zero width around 0/1 rates.
+MIN_COUNT = 30
 
 
 @dataclass
@@ -122,17 +126,20 @@ def level(s: Sums, picks, weights) -> dict:
 
 
 def compare(variant: Sums, reference: Sums, picks, weights) -> dict:
-    """variant − reference, paired by seed and prompt: the difference, its interval, SE and power line."""
+    """variant − reference, paired by seed and prompt: the difference, its interval, SE and power line; resolved
+    when the interval excludes 0 and every seed of both sides counted MIN_COUNT rounds or more."""
     point = ratio(variant) - ratio(reference)
     draws = seed_mean(ratio(variant, weights) - ratio(reference, weights), picks)
     low, high, se = interval(draws)
+    counted = int(min(variant.denominator.sum(1).min(), reference.denominator.sum(1).min()))  # fewest, any seed
     return {
         "difference": nanmean(point),
         "ci_low": low,
         "ci_high": high,
         "se": se,
         "mde80": MDE_Z * se,
-        "resolved": bool(low > 0 or high < 0),
+        "counted": counted,
+        "resolved": bool((low > 0 or high < 0) and counted >= MIN_COUNT),
     }
 
 
@@ -198,7 +205,8 @@ def setup_levels(runs: list[Run], count: int = 2000) -> list[dict]:
             family, at = name.split("@")
             rows.append(
                 {"setup": label, "variant": members[0].variant, "ttt": members[0].ttt, "measure": family,
-                 "at": int(at), "seeds": len(members), **level(sums, picks, weights)}
+                 "at": int(at), "seeds": len(members), "counted": int(sums.denominator.sum(1).min()),
+                 **level(sums, picks, weights)}
             )  # fmt: skip
     return rows
 
@@ -221,8 +229,9 @@ def markdown(rows: list[dict]) -> str:
             f"### {setup} − {first['reference']} ({first['seeds']} seeds × {first['prompts']} prompts, paired; "
             f"trained depth {first['ttt']})",
             "",
-            "| measure | at | variant | reference | difference [95% CI] | resolved | smallest resolvable (80% power) |",
-            "|---|---|---|---|---|---|---|",
+            "| measure | at | variant | reference | difference [95% CI] | resolved | smallest resolvable (80% power) "
+            "| fewest rounds counted |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in mine:
             if math.isnan(r["difference"]):  # a depth no round reached on one side: no measurement, no row
@@ -230,7 +239,8 @@ def markdown(rows: list[dict]) -> str:
             ci = f"[{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]"
             out.append(
                 f"| {NAMES[r['measure']]} | {r['at']} | {r['variant_mean']:.3f} | {r['reference_mean']:.3f} | "
-                f"{r['difference']:+.3f} {ci} | {'yes' if r['resolved'] else 'no'} | {r['mde80']:.3f} |"
+                f"{r['difference']:+.3f} {ci} | {'yes' if r['resolved'] else 'no'} | {r['mde80']:.3f} | "
+                f"{r['counted']} |"
             )
         firsts = {m: first_resolved(rows, setup, m) for m in NAMES}
         out += ["", "First resolved: " + ", ".join(f"{NAMES[m]} at {v or '–'}" for m, v in firsts.items()), ""]

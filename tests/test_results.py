@@ -174,7 +174,8 @@ def test_paired_comparison_pairs_the_same_prompts_and_seeds_and_agrees_with_each
         assert float(r["reference_mean"]) == pytest.approx(mean["eagle3"]), name
         assert float(r["difference"]) == pytest.approx(mean["eagle3.1"] - mean["eagle3"], abs=1e-9), name
         assert float(r["ci_low"]) <= float(r["difference"]) <= float(r["ci_high"])
-        assert r["resolved"] == str(float(r["ci_low"]) > 0 or float(r["ci_high"]) < 0)
+        excludes_zero = float(r["ci_low"]) > 0 or float(r["ci_high"]) < 0
+        assert r["resolved"] == str(excludes_zero and int(r["counted"]) >= 30)
         seen.add(r["measure"])
     assert seen == {"tau", "tf_acc", "n_alpha"}
     assert (
