@@ -313,7 +313,7 @@ def test_paper_is_regenerated_by_one_command_and_broken_runs_are_named_and_skipp
 
 
 def test_data_scaling_groups_runs_by_variant_and_data_size(store, cache_dir, tmp_path):
-    """Next to the store's runs (24 prompts, 2 seeds per variant), one EAGLE-3.1 run on 12 prompts: the data-scaling
+    """Next to the store's runs (21 prompts, 2 seeds per variant), one EAGLE-3.1 run on 12 prompts: the data-scaling
     table has one row per variant and size with that size's seeds and the runs' metrics.json numbers, the figure is
     drawn and the paper quotes it; the comparison table keeps one setup per variant and size, each compared with
     EAGLE-3 at its own size only."""
@@ -330,29 +330,29 @@ def test_data_scaling_groups_runs_by_variant_and_data_size(store, cache_dir, tmp
         config = yaml.safe_load((d / "config.yaml").read_text())
         key = (config["variant"], config["data"]["num_prompts"])
         measured.setdefault(key, []).append(json.loads((d / "metrics.json").read_text()))
-    assert set(measured) == {("eagle3.1", 12), ("eagle3.1", 24), ("eagle3", 24)}
+    assert set(measured) == {("eagle3.1", 12), ("eagle3.1", 21), ("eagle3", 21)}
     rows = {(r["variant"], int(r["num_prompts"])): r for r in csv.DictReader(open(out / "tables/data_scaling.csv"))}
     assert set(rows) == set(measured)
     for key, seeds in measured.items():
         row, mean = rows[key], lambda xs: sum(xs) / len(xs)
-        assert int(row["seeds"]) == len(seeds) == (2 if key[1] == 24 else 1)
+        assert int(row["seeds"]) == len(seeds) == (2 if key[1] == 21 else 1)
         assert int(row["response_tokens"]) == seeds[0]["data/response_tokens"]
         tau, deep = [m["acceptance_length@k3"] for m in seeds], [m["acceptance_length@k8"] for m in seeds]
         assert float(row["tau"]) == pytest.approx(mean(tau))
         assert float(row["tau_deep"]) == pytest.approx(mean(deep))
         assert float(row["deep_ratio"]) == pytest.approx(mean([d / t for d, t in zip(deep, tau)]))
-    # the 12 prompts are the first 12 of the 24: fewer tokens to learn from
-    assert int(rows[("eagle3.1", 12)]["response_tokens"]) < int(rows[("eagle3.1", 24)]["response_tokens"])
+    # the 12 prompts are the first 12 of the 21: fewer tokens to learn from
+    assert int(rows[("eagle3.1", 12)]["response_tokens"]) < int(rows[("eagle3.1", 21)]["response_tokens"])
     assert (out / "tables/data_scaling.tex").read_text().count(r"\\") == 3 + 1  # 3 rows and the heading
     assert "| eagle3.1 | 12 | " in (out / "tables/data_scaling.md").read_text()
     assert (out / "figures/data_scaling.png").stat().st_size > 1000
     assert (out / "figures/data_scaling.pdf").stat().st_size > 1000
     numbers = (out / "generated/numbers.tex").read_text()
-    assert r"\csname eaglelab@scaling@prompts\endcsname{12, 24}" in numbers
+    assert r"\csname eaglelab@scaling@prompts\endcsname{12, 21}" in numbers
 
     comparison = {r["setup"]: r for r in csv.DictReader(open(out / "tables/comparison.csv"))}
-    assert set(comparison) == {"eagle3.1 num_prompts=12", "eagle3.1 num_prompts=24", "eagle3 num_prompts=24"}
-    ours, reference = comparison["eagle3.1 num_prompts=24"], comparison["eagle3 num_prompts=24"]
+    assert set(comparison) == {"eagle3.1 num_prompts=12", "eagle3.1 num_prompts=21", "eagle3 num_prompts=21"}
+    ours, reference = comparison["eagle3.1 num_prompts=21"], comparison["eagle3 num_prompts=21"]
     assert float(ours["tau_vs_reference"]) == pytest.approx(float(ours["tau"]) / float(reference["tau"]))
     assert comparison["eagle3.1 num_prompts=12"]["tau_vs_reference"] == "nan"  # no EAGLE-3 on 12 prompts
     if latex:  # the paper's data-scaling paragraph is there, with its figure
