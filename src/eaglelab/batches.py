@@ -250,8 +250,9 @@ def acceptance_counts(
     tokens = batch.input_ids.masked_fill(pos >= known[:, None], -2)  # no draft equals an unknown token
     truth = torch.stack([shift(tokens, j + 1, value=-2) for j in range(1, max_k + 1)], dim=-1)
     matches = drafts == truth  # draft j at s vs x_{s+j+1}
-    inside = torch.stack([batch.drafting(d) for d in range(1, max_k + 1)], dim=-1)  # [B, T, K] scored at depth d
-    correct, counted = (matches & inside).sum(1).tolist(), inside.sum(1).tolist()  # [B][K] each, one sync
+    if depth is not None or per_sequence is not None:  # (validation during training asks for neither)
+        inside = torch.stack([batch.drafting(d) for d in range(1, max_k + 1)], dim=-1)  # [B, T, K] scored at d
+        correct, counted = (matches & inside).sum(1).tolist(), inside.sum(1).tolist()  # [B][K] each, one sync
     if depth is not None:
         for d in range(max_k):
             depth.correct[d] += sum(row[d] for row in correct)
