@@ -138,14 +138,15 @@ def test_a_torn_checkpoint_is_never_resumed_from(cache_dir, tmp_path):
     assert not stale.exists()  # cleared at the next start, never taken for a checkpoint
 
 
-# --- interrupted data preparation --------------------------------------------------------------------------------
-def test_ctrl_c_during_data_preparation_leaves_no_partial_cache_and_the_rerun_completes(tmp_path):
-    """SIGINT while the target regenerates the training data into a cold cache: the run says interrupted, no
-    cache entry exists half-made, and the same command completes and fills the cache. The run is started the
-    way a script's background job is (SIGINT inherited as ignored): Ctrl-C / kill -INT still interrupts it."""
-    cache, run_dir = tmp_path / "cache", tmp_path / "run"
-    args = [*SMOKE, f"hydra.run.dir={run_dir}"]
-    proc = cli(args, cache, tmp_path, preexec_fn=ignore_sigint)
+# --- interrupted data preparation, then two runs at once on what it left ------------------------------------------
+def test_ctrl_c_during_data_preparation_leaves_no_partial_cache_and_two_runs_then_share_it(tmp_path):
+    """SIGINT while the target regenerates the training data into a cold cache: the run says interrupted and no
+    cache entry exists half-made. The run is started the way a script's background job is (SIGINT inherited as
+    ignored): Ctrl-C / kill -INT still interrupts it. Then two runs started together on that cache and one results
+    root: both complete in their own directories, the shared data is prepared once (the other run waits for it)
+    and both train on the same data."""
+    cache, results, run_dir = tmp_path / "cache", tmp_path / "results", tmp_path / "run"
+    proc = cli([*SMOKE, f"hydra.run.dir={run_dir}"], cache, tmp_path, preexec_fn=ignore_sigint)
     wait_for(
         lambda: list((cache / "locks").glob("regen-*.lock")) if (cache / "locks").exists() else [],
         300,
@@ -157,14 +158,22 @@ def test_ctrl_c_during_data_preparation_leaves_no_partial_cache_and_the_rerun_co
     assert json.loads((run_dir / "run.json").read_text())["status"] == "interrupted"
     assert not list(cache.glob("*/*/complete.json"))  # no entry is taken for whole (finished shards are kept)
     assert not [p for p in cache.rglob("shard-*.arrow") if p.stat().st_size == 0]
-    done = run_cli(args, cache, tmp_path)
-    assert done.returncode == 0, done.stderr[-2000:]
+
+    procs = [cli(SMOKE, cache, results) for _ in range(2)]
+    outs = [p.communicate(timeout=900) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-1500:] for o in outs]
+    run_dirs = sorted(p.parent for p in results.glob("runs/*/metrics.json"))
+    assert len(run_dirs) == 2 and run_dirs[0] != run_dirs[1]
     entries = cache_entries(cache)
-    assert len(entries["regen"]) == 2 and len(entries["features"]) == 2  # training data + held-out prompts
+    assert len(entries["regen"]) == 2 and len(entries["features"]) == 2  # training data + held-out, once each
     assert all(
         (e / "shard-00000.arrow").is_file() and (e / "complete.json").is_file() for e in sum(entries.values(), [])
     )
     assert not [p for p in cache.rglob(".*.tmp-*")]
+    a, b = (json.loads((d / "metrics.json").read_text()) for d in run_dirs)
+    assert {k: v for k, v in a.items() if not k.startswith(("time/", "memory/"))} == {
+        k: v for k, v in b.items() if not k.startswith(("time/", "memory/"))
+    }
 
 
 # --- numerical failure ---------------------------------------------------------------------------------------------
@@ -245,8 +254,12 @@ def test_non_finite_loss_stops_with_a_clear_error_and_keeps_the_last_finite_chec
     assert all(torch.isfinite(v).all() for v in state["state_dict"].values())
 
 
-# --- the vLLM engine dies ---------------------------------------------------------------------------------------
-def test_vllm_engine_killed_mid_evaluation_fails_the_run_keeps_training_and_the_rerun_completes(cache_dir, tmp_path):
+# --- the vLLM engine dies, or runs out of time ---------------------------------------------------------------------
+def test_vllm_engine_killed_or_timed_out_fails_the_run_keeps_training_and_the_rerun_completes(cache_dir, tmp_path):
+    """The engine SIGKILLed mid-evaluation, then (the same command with eval.vllm.timeout_s=3, which is not what
+    was measured and so resumes the run) stopped by its time limit: each attempt is marked failed with the reason,
+    the drafter and the simulated tables stay, and the error names the rerun. The plain command then completes
+    with vLLM's numbers without training again."""
     run_dir = tmp_path / "run"
     args = [
         *SMOKE,
@@ -277,17 +290,27 @@ def test_vllm_engine_killed_mid_evaluation_fails_the_run_keeps_training_and_the_
     )
     victim.send_signal(signal.SIGKILL)
     _, stderr = proc.communicate(timeout=300)
+
+    def failed_keeping_training(line: str, attempt: int) -> None:
+        assert f"checkpoint={run_dir}" in line, line
+        info = json.loads((run_dir / "run.json").read_text())
+        assert info["status"] == "failed" and info["attempt"] == attempt and not (run_dir / "metrics.json").exists()
+        assert (run_dir / "drafter" / "model.safetensors").is_file() and (run_dir / "acceptance.csv").is_file()
+
     line = error_line(proc.returncode, stderr)
-    assert "vLLM engine failed (exit -9)" in line and f"checkpoint={run_dir}" in line
-    info = json.loads((run_dir / "run.json").read_text())
-    assert info["status"] == "failed" and not (run_dir / "metrics.json").exists()
-    assert (run_dir / "drafter" / "model.safetensors").is_file() and (run_dir / "acceptance.csv").is_file()
+    assert "vLLM engine failed (exit -9)" in line
+    failed_keeping_training(line, 1)
     steps = torch.load(run_dir / "lightning" / "last.ckpt", weights_only=False)["global_step"]
+    timed_out = run_cli([*args, "eval.vllm.timeout_s=3"], cache_dir, tmp_path)
+    line = error_line(timed_out.returncode, timed_out.stderr)
+    assert "timed out after 3 s" in line and "raise eval.vllm.timeout_s" in line
+    failed_keeping_training(line, 2)
+    assert "timed out" in json.loads((run_dir / "run.json").read_text())["error"]
     done = run_cli(args, cache_dir, tmp_path)  # the same command again
     assert done.returncode == 0, done.stderr[-2000:]
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert "vllm/acceptance_length@k3" in metrics and metrics["train/steps"] == steps  # not trained again
-    assert json.loads((run_dir / "run.json").read_text())["attempt"] == 2
+    assert json.loads((run_dir / "run.json").read_text())["attempt"] == 3
 
 
 # --- W&B without a network -------------------------------------------------------------------------------------
@@ -309,21 +332,22 @@ def test_wandb_online_without_network_falls_back_to_offline(cache_dir, tmp_path)
     assert "wandb_error" not in json.loads((run_dir / "run.json").read_text())
 
 
-# --- caches and a shared results root ---------------------------------------------------------------------------
+# --- caches ---------------------------------------------------------------------------------------------------------
 def test_a_changed_config_or_target_never_reuses_a_stale_cache(cache_dir, tmp_path):
     """Change what the data depends on — generation length, or the target's weights in place — and the run
     prepares new data (a new cache entry) instead of reusing the old."""
+    from eaglelab.pipeline import run as run_pipeline
     from eaglelab.targets import load_target
 
     target = tmp_path / "target"
     shutil.copytree(load_target(compose(SMOKE, cache_dir, tmp_path).target, cache_dir).path, target)
     cache = tmp_path / "cache"
-    base = [*SMOKE, "target=hf", f"target.name_or_path={target}"]
+    # what the CLI calls, in this process; one epoch and no suites: the data, not the drafter, is under test
+    base = [*SMOKE, "train.epochs=1", "eval.suites.extrapolation.enabled=false", "target=hf"]
 
     def run(extra: list[str], name: str) -> dict:
-        proc = run_cli([*base, *extra, f"hydra.run.dir={tmp_path / name}"], cache, tmp_path)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        return json.loads((tmp_path / name / "metrics.json").read_text())
+        run_dir = run_pipeline(compose([*base, f"target.name_or_path={target}", *extra], cache, tmp_path / name))
+        return json.loads((run_dir / "metrics.json").read_text())
 
     first = run([], "first")
     n = len(cache_entries(cache)["regen"])
@@ -364,23 +388,6 @@ def test_a_damaged_cache_shard_is_named_and_prepared_again_never_read(tmp_path, 
     assert any(f"{tokens.name} is missing" in w for w in warned), warned
     assert shard.stat().st_size == whole and tokens.is_file()  # prepared again, to the same bytes
     a, b = (json.loads((d / "metrics.json").read_text()) for d in (first, again))
-    assert {k: v for k, v in a.items() if not k.startswith(("time/", "memory/"))} == {
-        k: v for k, v in b.items() if not k.startswith(("time/", "memory/"))
-    }
-
-
-def test_two_runs_into_one_results_root_at_once(tmp_path):
-    """Two runs started together on a cold cache and one results root: both complete in their own directories,
-    the shared data is prepared once (the other run waits for it) and both train on the same data."""
-    cache, results = tmp_path / "cache", tmp_path / "results"
-    procs = [cli(SMOKE, cache, results) for _ in range(2)]
-    outs = [p.communicate(timeout=900) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [o[1][-1500:] for o in outs]
-    run_dirs = sorted(p.parent for p in results.glob("runs/*/metrics.json"))
-    assert len(run_dirs) == 2 and run_dirs[0] != run_dirs[1]
-    entries = cache_entries(cache)
-    assert len(entries["regen"]) == 2 and len(entries["features"]) == 2  # once each, not twice
-    a, b = (json.loads((d / "metrics.json").read_text()) for d in run_dirs)
     assert {k: v for k, v in a.items() if not k.startswith(("time/", "memory/"))} == {
         k: v for k, v in b.items() if not k.startswith(("time/", "memory/"))
     }

@@ -30,7 +30,9 @@ log = logging.getLogger("eaglelab")
 # Settings that may change between attempts of one run: where results go, how they are logged, what a sweeper
 # reads from them (a sweep relaunched elsewhere, W&B turned on), and the variant's label (derived from the drafter
 # flags, which are compared themselves; older runs stored it as typed).
-NOT_IDENTITY = ("paths.", "logger.", "run_dir", "objective", "variant")
+# Settings that change where results go, how they are logged or how long an engine may take, never what is measured:
+# a run started again with another value resumes (the timeout error's fix is to raise eval.vllm.timeout_s).
+NOT_IDENTITY = ("paths.", "logger.", "run_dir", "objective", "variant", "eval.vllm.timeout_s")
 
 
 def is_primary() -> bool:
