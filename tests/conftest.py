@@ -25,19 +25,20 @@ SLOW_MODULES = {
 
 
 # `make test` runs two pytest-xdist workers, each taking whole files in the order collected: the longest first
-# (seconds per file, measured with --durations=0 on the 2-core CI box), so the last file a worker starts is short.
+# (seconds per file, measured with --durations=0 on the 2-core CI box, an Intel Xeon with AMX, 2026-12-03), so the
+# last file a worker starts is short.
 FILE_SECONDS = {
-    "test_faults": 439,
-    "test_vllm": 381,
-    "test_sweeps": 258,
-    "test_slurm": 183,
-    "test_results": 177,
-    "test_pipeline": 168,
-    "test_smollm2": 146,
-    "test_bad_input": 126,
-    "test_limits": 124,
-    "test_data": 73,
-    "test_benchmarks": 67,
+    "test_vllm": 229,
+    "test_faults": 213,
+    "test_sweeps": 195,
+    "test_slurm": 163,
+    "test_smollm2": 122,
+    "test_results": 106,
+    "test_pipeline": 79,
+    "test_bad_input": 63,
+    "test_limits": 60,
+    "test_benchmarks": 40,
+    "test_data": 37,
 }
 
 
