@@ -28,10 +28,9 @@ from eaglelab.io import atomic_write_json, write_csv
 log = logging.getLogger("eaglelab")
 
 # Settings that may change between attempts of one run: where results go, how they are logged, what a sweeper
-# reads from them (a sweep relaunched elsewhere, W&B turned on), and the variant's label (derived from the drafter
-# flags, which are compared themselves; older runs stored it as typed).
-# Settings that change where results go, how they are logged or how long an engine may take, never what is measured:
-# a run started again with another value resumes (the timeout error's fix is to raise eval.vllm.timeout_s).
+# reads from them (a sweep relaunched elsewhere, W&B turned on), the variant's label (derived from the drafter
+# flags, which are compared themselves; older runs stored it as typed), and how long the vLLM engine may take (the
+# timeout error's fix is to raise eval.vllm.timeout_s and run the same command again).
 NOT_IDENTITY = ("paths.", "logger.", "run_dir", "objective", "variant", "eval.vllm.timeout_s")
 
 
