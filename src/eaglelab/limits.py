@@ -61,6 +61,11 @@ GB = 1e9
 # not measured on a GPU, taken the same.
 ALLOCATOR_SLACK = {"cpu": 1.2, "cuda": 1.2}
 KERNELS_PER_NEW_BATCH = 22_000_000  # oneDNN's compiled kernels for one batch of new shapes (measured, SmolLM2 drafter)
+# The growth levels off after about this many batches of new lengths (~130 new row counts), whatever the run's length:
+# measured on an AVX-512/AMX Xeon with the drafter's matmul shapes (3.7 GB after 120-140 new row counts, +0.4 GB
+# over the next 20), and the default run (192 new lengths) peaked at 5.1 GB where counting all 192 gave 13.5 GB.
+# Most of it is glibc's heap (its dynamic mmap threshold keeps freed blocks), not oneDNN's kernels.
+KERNEL_BATCHES_MAX = 64
 CAPTURE_TOKENS = 8192  # eaglelab.data.prepare._batches: padded tokens per whole-sequence capture forward
 CAPTURE_BATCH = 4  # prepare_features' capture_batch_size
 
@@ -461,16 +466,17 @@ def kernel_cache_bytes(cfg: RunConfig, d: Eagle3Config, data: PromptSet) -> int:
     precisions: each new shape leaves its compiled kernels and a 16-bit copy of the weights it multiplied. A
     training batch brings two new row counts when its length is new (step 1 runs over B·T rows, steps >= 2 over
     the drafting positions), so the process grows by about two 16-bit copies of the drafter's weights and
-    ~22 MB of kernels per batch of a new length, and levels off once the lengths repeat: after about as many
-    batches as there are training sequences (measured: benchmarks/memory_estimate.py; not freed by setting
-    ONEDNN_PRIMITIVE_CACHE_CAPACITY)."""
+    ~22 MB of kernels per batch of a new length, and levels off once the lengths repeat (after about as many
+    batches as there are training sequences) or after KERNEL_BATCHES_MAX of them, whichever comes first
+    (measured: benchmarks/memory_estimate.py; not freed by setting ONEDNN_PRIMITIVE_CACHE_CAPACITY)."""
     lowp, _ = activation_bytes(cfg.train.precision)
     if lowp != 2 or torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
         return 0
     world = cfg.train.devices * cfg.train.num_nodes
     steps = cfg.train.epochs * -(-data.trained_on // (cfg.train.batch_size * world))
     steps = min(steps, cfg.train.max_steps) if cfg.train.max_steps > 0 else steps
-    return min(steps, data.trained_on) * (2 * lowp * _trainable_parameters(d) + KERNELS_PER_NEW_BATCH)
+    new_lengths = min(steps, data.trained_on, KERNEL_BATCHES_MAX)
+    return new_lengths * (2 * lowp * _trainable_parameters(d) + KERNELS_PER_NEW_BATCH)
 
 
 def evaluation_cost(cfg: RunConfig, t: TargetShape, d: Eagle3Config, sets: list[PromptSet], slack: float) -> StageCost:
