@@ -29,7 +29,7 @@ def main(cfg: DictConfig):
     from eaglelab import preemption
     from eaglelab.config import to_run_config
     from eaglelab.pipeline import run
-    from eaglelab.rundir import is_primary
+    from eaglelab.ranks import is_primary
     from eaglelab.sweeps import objective
 
     # Signals are recorded when they arrive and acted on outside writes (eaglelab.preemption); in a submitit job

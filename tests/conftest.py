@@ -15,6 +15,7 @@ SLOW_MODULES = {
     "test_bad_input",
     "test_benchmarks",
     "test_faults",
+    "test_launch",
     "test_pipeline",
     "test_results",
     "test_slurm",
@@ -30,7 +31,8 @@ SLOW_MODULES = {
 FILE_SECONDS = {
     "test_vllm": 229,
     "test_faults": 213,
-    "test_sweeps": 195,
+    "test_sweeps": 160,
+    "test_launch": 230,
     "test_slurm": 163,
     "test_smollm2": 122,
     "test_results": 106,

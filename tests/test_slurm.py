@@ -1,7 +1,8 @@
 """Against a real single-node Slurm that this module starts and stops (slurm/dev-cluster/): a 2×2 grid through
-`hydra/launcher=slurm`, an Optuna sweep with 2 trials at a time, a trial preempted (USR2, as Slurm signals it)
-that submitit requeues and that resumes to the uninterrupted result, and a wrong partition refused before
-anything is queued. Needs root (the daemons) and the Debian packages scripts/setup.sh installs."""
+`hydra/launcher=slurm`, a trial on two Slurm tasks (DDP), an Optuna sweep with 2 trials at a time, a trial
+preempted (USR2, as Slurm signals it) that submitit requeues and that resumes to the uninterrupted result, and a
+wrong partition refused before anything is queued. Needs root (the daemons) and the Debian packages
+scripts/setup.sh installs."""
 
 import json
 import os
@@ -17,7 +18,7 @@ from safetensors.torch import load_file
 
 from benchmarks import faults, preemption
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, compose, run_cli
 
 CLUSTER = ROOT / "slurm" / "dev-cluster"
 # Jobs on the test node: no GPUs, one CPU each (two run side by side on 2 cores).
@@ -94,6 +95,29 @@ def test_grid_2x2_through_the_slurm_launcher(slurm, cache_dir, tmp_path):
             break
         time.sleep(0.2)
     assert tasks == ["COMPLETED"] * 4, tasks
+
+
+def test_a_trial_on_two_slurm_tasks_is_one_ddp_run(slurm, cache_dir, tmp_path):
+    """`tasks_per_node: ${train.devices}`: Slurm starts the 2 ranks (one task each, one CPU each); one run
+    directory, rank 0 alone exports, the weights and metrics of one process with the same global batch."""
+    from eaglelab.pipeline import run
+
+    exact = [*QUICK, "train.precision=32-true"]
+    reference = run(compose([*exact, "train.batch_size=4"], cache_dir, tmp_path / "reference"))
+    sweep = tmp_path / "ddp"
+    ddp = ["train.devices=2", "train.strategy=ddp", "train.batch_size=2"]
+    proc = run_cli(["-m", *exact, *SLURM, *ddp, f"hydra.sweep.dir={sweep}"], cache_dir, tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (trial,) = [p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    logs = [p.read_text() for p in (sweep / ".submitit").rglob("*_log.*")]
+    assert len([p for p in (sweep / ".submitit").rglob("*_log.out")]) == 2  # two tasks
+    assert sum(log.count("stage: export") for log in logs) == 1 and sum(log.count("stage: train") for log in logs) == 2
+    a, b = (load_file(d / "drafter" / "model.safetensors") for d in (reference, trial))
+    assert max(float((a[k].float() - b[k].float()).abs().max()) for k in a) < 1e-4
+    ma, mb = (json.loads((d / "metrics.json").read_text()) for d in (reference, trial))
+    assert ma["train/steps"] == mb["train/steps"]
+    for key in ("val/acceptance_length@k3", "acceptance_length@k3"):
+        assert mb[key] == pytest.approx(ma[key], abs=1e-6), key
 
 
 def test_optuna_sweep_with_two_parallel_jobs(slurm, cache_dir, tmp_path):

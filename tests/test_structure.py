@@ -23,6 +23,7 @@ RANK = {
     "eaglelab.rundir": 0,
     "eaglelab.strict_device": 0,  # a test mode: tensor factories in eaglelab name their device
     "eaglelab.devices": 0,  # the process's CUDA device and an engine's share of it
+    "eaglelab.ranks": 0,  # who this process is in a trial, and starting the ranks nobody else started
     # 1: prompts
     "eaglelab.data": 1,
     "eaglelab.data.prompts": 1,
@@ -54,6 +55,7 @@ RANK = {
     # 7: the loop and the sweeps that run it
     "eaglelab.pipeline": 7,
     "eaglelab.sweeps": 7,
+    "eaglelab.rank_helper": 7,  # a rank eaglelab.ranks started: it runs the loop
 }
 NO_LIGHTNING = (
     "eaglelab.batches",

@@ -1,6 +1,6 @@
 """Sweeps without a cluster: the ready grids compose, runs resume to the uninterrupted result after kills,
-2-process DDP equals 1 process with the same global batch, several processes share one Optuna study, and sweep
-mistakes fail before anything runs. (The same on a real Slurm: tests/test_slurm.py.)"""
+several processes share one Optuna study, and sweep mistakes fail before anything runs. (The same on a real
+Slurm: tests/test_slurm.py; several ranks per trial, every launch path: tests/test_launch.py.)"""
 
 import json
 import os
@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
 
 from benchmarks import preemption  # the benchmark's kill-and-resume, the same code the closing figures come from
 
@@ -152,36 +151,6 @@ def test_same_run_dir_with_another_config_is_refused(cache_dir, tmp_path):
     other = run_cli([*QUICK, "train.seed=7", f"hydra.run.dir={run_dir}"], cache_dir, tmp_path)
     assert other.returncode == 2
     assert "another configuration" in other.stderr and "train" in other.stderr.strip().splitlines()[-1]
-
-
-def test_two_process_ddp_equals_one_process_with_the_same_global_batch(cache_dir, tmp_path):
-    """Lightning DDP on CPU (gloo), 2 processes × batch 2 vs 1 process × batch 4: same batches, same loss
-    normalisation (by the global count), so the same weights up to float summation order."""
-    common = [
-        "experiment=smoke",
-        "train.epochs=2",
-        "train.precision=32-true",
-        "eval.suites.drift.enabled=false",
-        "train.num_threads=1",
-    ]
-    one = run_cli([*common, "train.batch_size=4", f"hydra.run.dir={tmp_path / 'one'}"], cache_dir, tmp_path)
-    assert one.returncode == 0, one.stderr[-2000:]
-    two = run_cli(
-        [*common, "train.batch_size=2", "train.devices=2", "train.strategy=ddp", f"hydra.run.dir={tmp_path / 'two'}"],
-        cache_dir,
-        tmp_path,
-    )
-    assert two.returncode == 0, two.stderr[-2000:]
-    assert two.stdout.count("run_dir:") == 1  # only process 0 reports (and writes) results
-    a, b = (load_file(tmp_path / d / "drafter" / "model.safetensors") for d in ("one", "two"))
-    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
-    assert worst < 1e-4, worst
-    ma, mb = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("one", "two"))
-    assert ma["train/steps"] == mb["train/steps"]
-    assert abs(ma["train/loss"] - mb["train/loss"]) < 1e-4
-    assert ma["val/acceptance_length@k3"] == pytest.approx(mb["val/acceptance_length@k3"], abs=1e-6)
-    logged = (tmp_path / "two" / "logs" / "metrics.csv").read_text()
-    assert logged.count("\n") > 2  # rank 0 logged
 
 
 def _study(db: Path, name: str):

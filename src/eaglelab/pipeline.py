@@ -38,7 +38,8 @@ from eaglelab.export import TargetShape, load_checkpoint, save_drafter
 from eaglelab.io import atomic_write_text, write_csv
 from eaglelab.limits import as_disk_full, check_limits, measured_peaks
 from eaglelab.plots import plot_acceptance, plot_speedup
-from eaglelab.rundir import RunRecord, adopt_trained_settings, begin_attempt, end_attempt, is_primary
+from eaglelab.ranks import broadcast, is_primary, same_on_every_rank, trial_ranks
+from eaglelab.rundir import RunRecord, adopt_trained_settings, begin_attempt, end_attempt
 from eaglelab.suites import SuiteInputs, check_suites, evaluate_suites, prepare_suites
 from eaglelab.targets import Target, TargetWeights, load_target, target_device
 from eaglelab.vllm_engine import require_vllm, vllm_available
@@ -80,11 +81,20 @@ def run(cfg: RunConfig) -> Path:
     run_dir = Path(cfg.run_dir or Path(cfg.paths.results_dir) / "runs" / time.strftime("%Y-%m-%d_%H-%M-%S"))
     if cfg.checkpoint:
         adopt_trained_settings(cfg)
-    if not is_primary():  # a DDP helper process trains its share; process 0 keeps the records
-        execute(cfg, run_dir, RunRecord.start(cfg, {}))
+    with trial_ranks(cfg, run_dir):  # one process, or this one's rank among the trial's (eaglelab.ranks)
+        same_on_every_rank(str(run_dir.resolve()), "the run directory", "give every process the same hydra.run.dir")
+        if is_primary():
+            return run_as_primary(cfg, run_dir)
+        # Another rank trains its share; rank 0 keeps the records and writes the results, and decides whether
+        # there is anything to do.
+        if broadcast(None):
+            execute(cfg, run_dir, RunRecord.start(cfg, {}))
         return run_dir
+
+
+def run_as_primary(cfg: RunConfig, run_dir: Path) -> Path:
     record = begin_attempt(cfg, run_dir)
-    if record is None:  # complete already
+    if not broadcast(record is not None):  # complete already (the other ranks stop with it)
         return run_dir
     try:
         metrics = execute(cfg, run_dir, record)

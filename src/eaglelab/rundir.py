@@ -34,14 +34,6 @@ log = logging.getLogger("eaglelab")
 NOT_IDENTITY = ("paths.", "logger.", "run_dir", "objective", "variant", "eval.vllm.timeout_s")
 
 
-def is_primary() -> bool:
-    """Process 0 of a (possibly) distributed job: the only one that writes results. Other DDP processes
-    (Lightning's children, or the tasks Slurm starts) prepare their data from the cache and train."""
-    from lightning.fabric.utilities.rank_zero import rank_zero_only
-
-    return rank_zero_only.rank == 0
-
-
 @dataclass
 class RunRecord:
     """run.json: one attempt of a run (None fields are left out of the file)."""

@@ -123,8 +123,27 @@ def _convert_gguf(gguf: Path, out: Path, fix: str) -> None:
     model = type(quantised)(config)
     model.load_state_dict(quantised.state_dict())
     with atomic_dir(out) as tmp:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        save_folder(model, tok, tmp)
+
+
+def save_folder(model, tokenizer, folder: Path) -> None:
+    """A Hugging Face model folder (config, generation config, safetensors weights, tokenizer), written whatever
+    this process's rank: `save_pretrained` writes no weights or config on a rank other than 0 of an initialised
+    process group, and any rank of a trial may be the one that builds a cached target."""
+    from safetensors.torch import save_file
+
+    model.config.architectures = [type(model).__name__]  # what save_pretrained records (vLLM picks the model by it)
+    model.config.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    model.config.save_pretrained(folder)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(folder)
+    weights, stored = {}, set()
+    for name, tensor in model.state_dict().items():  # a tied weight (lm_head = embed_tokens) once, under its first
+        if tensor.data_ptr() not in stored:  # name, as save_pretrained stores it (loading ties the other to it)
+            stored.add(tensor.data_ptr())
+            weights[name] = tensor.contiguous()
+    save_file(weights, str(Path(folder) / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(folder)
 
 
 def _gguf_folder(gguf: Path, cache_dir: Path, name: str, fix: str) -> tuple[Path, str]:
@@ -232,7 +251,6 @@ def _speak_a_token_chain(model, alphabet: int, stop_id: int, generator: torch.Ge
 def _tiny_folder(cfg: TargetConfig, cache_dir: Path) -> tuple[Path, str]:
     """A seeded Llama with the SmolLM2 tokenizer (a real chat template); deterministic. With target.tiny.alphabet
     > 0 (the default) its greedy text is a second-order chain over that many tokens, else it is a random Llama."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     t = cfg.tiny
     spec = dict(
@@ -252,31 +270,40 @@ def _tiny_folder(cfg: TargetConfig, cache_dir: Path) -> tuple[Path, str]:
     digest = hashlib.sha256((json.dumps(spec, sort_keys=True) + _sha256(gguf)).encode()).hexdigest()[:16]
     out = cache_dir / "targets" / f"tiny-{digest}"
     if not (out / "config.json").is_file():
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        config = LlamaConfig(
-            vocab_size=len(tok),
-            hidden_size=t.hidden_size,
-            intermediate_size=t.intermediate_size,
-            num_hidden_layers=t.num_layers,
-            num_attention_heads=t.num_heads,
-            num_key_value_heads=t.num_kv_heads,
-            head_dim=t.hidden_size // t.num_heads,
-            max_position_embeddings=8192,
-            rms_norm_eps=1e-5,
-            tie_word_embeddings=not t.alphabet,
-            bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
-        with torch.random.fork_rng():  # the caller's random state is not touched
-            torch.manual_seed(cfg.seed)
-            model = LlamaForCausalLM(config)
-            if t.alphabet:
-                _speak_a_token_chain(model, t.alphabet, tok.eos_token_id, torch.Generator().manual_seed(cfg.seed))
-        with atomic_dir(out) as tmp:
-            model.save_pretrained(tmp)
-            tok.save_pretrained(tmp)
+        # The ranks of a trial (and trials starting at once) build it once: the others wait for the folder.
+        with file_lock(cache_dir / "locks" / f"{out.name}.lock"):
+            if not (out / "config.json").is_file():
+                _build_tiny(cfg, gguf, out)
     return out, f"tiny:{digest}"
+
+
+def _build_tiny(cfg: TargetConfig, gguf: Path, out: Path) -> None:
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    t = cfg.tiny
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=t.hidden_size,
+        intermediate_size=t.intermediate_size,
+        num_hidden_layers=t.num_layers,
+        num_attention_heads=t.num_heads,
+        num_key_value_heads=t.num_kv_heads,
+        head_dim=t.hidden_size // t.num_heads,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=not t.alphabet,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    with torch.random.fork_rng():  # the caller's random state is not touched
+        torch.manual_seed(cfg.seed)
+        model = LlamaForCausalLM(config)
+        if t.alphabet:
+            _speak_a_token_chain(model, t.alphabet, tok.eos_token_id, torch.Generator().manual_seed(cfg.seed))
+    with atomic_dir(out) as tmp:
+        save_folder(model, tok, tmp)
 
 
 def _hf_folder(cfg: TargetConfig, cache_dir: Path) -> tuple[Path, str]:

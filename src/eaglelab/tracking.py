@@ -26,7 +26,7 @@ from pathlib import Path
 from eaglelab.config import RunConfig
 from eaglelab.errors import first_line
 from eaglelab.io import atomic_write_text
-from eaglelab.rundir import is_primary
+from eaglelab.ranks import is_primary
 
 log = logging.getLogger("eaglelab")
 

@@ -18,7 +18,9 @@ from eaglelab.data.vocab import draft_vocab
 from eaglelab.drafter import Eagle3Config, Eagle3Drafter
 from eaglelab.errors import EaglelabError
 from eaglelab.preemption import uninterruptible
-from eaglelab.rundir import is_primary, keep_previous_log, merge_logs
+from eaglelab.ranks import cluster_environment, is_primary
+from eaglelab.ranks import current as current_ranks
+from eaglelab.rundir import keep_previous_log, merge_logs
 from eaglelab.targets import TargetWeights
 from eaglelab.training import (
     AtomicCheckpointIO,
@@ -81,8 +83,20 @@ def train_drafter(
         train_set, collate_fn=collate, batch_sampler=EpochBatches(len(train_set), cfg.train.batch_size, cfg.train.seed)
     )
     module.train_batches = loader.batch_sampler
+    # Each rank validates its share of the validation sequences (the counts are summed over the ranks before τ and
+    # the accuracies are taken: DrafterModule.on_validation_epoch_end). Fewer sequences than ranks: each validates all.
+    ranks = current_ranks()
+    module.val_sharded = ranks.world_size > 1 and len(val_idx) >= ranks.world_size
     val_loader = (
-        torch.utils.data.DataLoader(val_set, batch_size=cfg.train.batch_size, collate_fn=collate) if val_set else None
+        torch.utils.data.DataLoader(
+            torch.utils.data.Subset(
+                val_set, validation_share(len(val_set), ranks) if module.val_sharded else range(len(val_set))
+            ),
+            batch_size=cfg.train.batch_size,
+            collate_fn=collate,
+        )
+        if val_set
+        else None
     )
     ckpt = run_dir / "lightning" / "last.ckpt"
     state = readable_checkpoint(ckpt)  # every DDP process reads the same file: the same decision everywhere
@@ -121,6 +135,11 @@ def train_drafter(
     # it holds is free when an evaluation engine starts (eaglelab.devices.engine_placement collects the rest).
     module.online = module.hybrid = None
     return module.drafter, metrics
+
+
+def validation_share(count: int, ranks) -> list[int]:
+    """Rank r's validation sequences: every W-th from r (no padding, so no sequence is counted twice)."""
+    return list(range(ranks.rank, count, ranks.world_size))
 
 
 def readable_checkpoint(ckpt: Path) -> dict | None:
@@ -182,11 +201,10 @@ def init_layers_from_target(drafter: Eagle3Drafter, layers: list[dict[str, torch
 
 def make_trainer(cfg: RunConfig, run_dir: Path, loggers: list | bool, extra_callbacks: list | None = None):
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.plugins.environments import SLURMEnvironment
 
     t = cfg.train
-    # submitit owns requeueing (one owner): Lightning's own SLURM auto-requeue would requeue a second time.
-    plugins = [AtomicCheckpointIO()] + ([SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else [])
+    # The environment eaglelab.ranks read the trial's ranks from, so Lightning's ranks are the same.
+    plugins = [AtomicCheckpointIO(), cluster_environment()]
     for stale in (run_dir / "lightning").glob(".*.tmp-*"):  # a killed save's temporary file: never the checkpoint
         stale.unlink(missing_ok=True)
     return L.Trainer(

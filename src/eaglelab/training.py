@@ -304,16 +304,26 @@ class DrafterModule(L.LightningModule):
         for k in self.val_k:
             self._val_counts[k].add(counts[k])
 
+    val_sharded = False  # each rank validated its share of the sequences: the counts are summed over the ranks
+
     def on_validation_epoch_end(self):
         if not self._val_acc:
             return
         steps = max(self.val_k)
+        # Integer counts, summed over the ranks' shares in one reduce: τ and the accuracies are one process's.
+        sums = [int(sum(r[0][j] for r in self._val_acc)) for j in range(steps)]
+        sums += [int(sum(r[1][j] for r in self._val_acc)) for j in range(steps)]
+        sums += [n for c in self._val_counts.values() for n in (c.drafts, c.accepted)]
+        total = torch.tensor(sums, dtype=torch.long, device=self.device)
+        if self.val_sharded:
+            total = self.trainer.strategy.reduce(total, reduce_op="sum")
+        total = total.tolist()
+        correct, counted, rounds = total[:steps], total[steps : 2 * steps], total[2 * steps :]
         for j in range(steps):
-            c = int(sum(r[0][j] for r in self._val_acc))
-            n = sum(r[1][j] for r in self._val_acc)
-            self.log(f"val/acc@d{j + 1}", c / max(n, 1))
-        for k, counts in self._val_counts.items():
-            self.log(f"val/acceptance_length@k{k}", counts.acceptance_length, prog_bar=True)
+            self.log(f"val/acc@d{j + 1}", correct[j] / max(counted[j], 1))
+        for i, k in enumerate(self._val_counts):
+            drafts, accepted = rounds[2 * i], rounds[2 * i + 1]
+            self.log(f"val/acceptance_length@k{k}", 1.0 + accepted / max(drafts, 1), prog_bar=True)
 
     # The shared embeddings are the target's, frozen: left out of checkpoints (half their size at SmolLM2
     # scale, and a checkpoint is written every `train.checkpoint_every_n_steps`), put back on load.

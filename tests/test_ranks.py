@@ -1,0 +1,81 @@
+"""Rank facts from each launcher's environment, the refusals, and the validation shares (no processes started;
+the launch paths themselves run in tests/test_launch.py)."""
+
+import pytest
+
+from eaglelab.config import TrainConfig
+from eaglelab.errors import ConfigError
+from eaglelab.ranks import Ranks, cluster_environment, facts, trial_ranks
+from eaglelab.trainer import validation_share
+
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+LAUNCH_VARIABLES += ("MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID")
+LAUNCH_VARIABLES += ("SLURM_NTASKS_PER_NODE", "SLURM_JOB_NAME", "SLURM_JOB_ID", "SLURM_NODELIST")
+
+TORCHRUN = {"TORCHELASTIC_RUN_ID": "r", "RANK": "11", "WORLD_SIZE": "16", "LOCAL_RANK": "3", "GROUP_RANK": "1"}
+SLURM = {
+    "SLURM_NTASKS": "16",
+    "SLURM_NTASKS_PER_NODE": "8",
+    "SLURM_PROCID": "9",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+}
+SLURM |= {"SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "5", "SLURM_NODELIST": "node[1-2]"}
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    for name in LAUNCH_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    return lambda **env: [monkeypatch.setenv(k, v) for k, v in env.items()]
+
+
+@pytest.mark.parametrize(
+    "env, devices, nodes, expected",
+    [
+        ({}, 1, 1, Ranks(0, 1, 0, 0)),
+        (TORCHRUN, 8, 2, Ranks(11, 16, 3, 1)),
+        (SLURM, 8, 2, Ranks(9, 16, 1, 1)),
+        ({**SLURM, **TORCHRUN}, 8, 2, Ranks(11, 16, 3, 1)),  # torchrun inside an allocation: torchrun's ranks
+        ({"NODE_RANK": "1", "LOCAL_RANK": "2"}, 8, 2, Ranks(10, 16, 2, 1)),  # one command per node
+    ],
+    ids=["one process", "torchrun", "slurm tasks", "torchrun in slurm", "per-node commands"],
+)
+def test_every_launcher_gives_the_ranks_lightning_gives(launched, env, devices, nodes, expected):
+    launched(**env)
+    environment = cluster_environment()
+    assert facts(environment, devices, nodes) == expected
+    if expected.world_size > 1 and "SLURM_NTASKS" in env:  # Slurm's requeueing has one owner, submitit
+        assert type(environment).__name__ != "SLURMEnvironment" or environment.auto_requeue is False
+
+
+def _cfg(**train):
+    class Cfg:  # trial_ranks reads only the training settings before it starts anything
+        pass
+
+    cfg = Cfg()
+    cfg.train = TrainConfig(**train)
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "env, train, message",
+    [
+        (TORCHRUN, {"devices": 8}, "the launcher started 16 processes but train.devices × train.num_nodes = 8 × 1"),
+        ({}, {"devices": 2, "strategy": "ddp_spawn"}, "use train.strategy=ddp"),
+        ({"NODE_RANK": "0"}, {"devices": 1, "num_nodes": 2}, "set MASTER_ADDR (node 0's address), MASTER_PORT"),
+    ],
+    ids=["world mismatch", "spawning strategy", "nodes without an address"],
+)
+def test_a_launch_that_cannot_work_is_refused_before_anything_starts(launched, tmp_path, env, train, message):
+    launched(**env)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        with trial_ranks(_cfg(**train), tmp_path):
+            pass
+
+
+@pytest.mark.parametrize("count, world", [(48, 8), (3, 2), (10, 3)])
+def test_each_validation_sequence_is_validated_once_over_the_ranks(count, world):
+    shares = [validation_share(count, Ranks(rank, world)) for rank in range(world)]
+    assert sorted(i for share in shares for i in share) == list(range(count))
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1  # 1/W of the steps each
