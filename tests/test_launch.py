@@ -236,9 +236,8 @@ def test_a_rank_that_dies_ends_the_trial_and_the_same_command_resumes_it(referen
         for line in proc.stdout:
             lines.append(line)
             if "[rank 1] INFO stage: train" in line and not killed:
-                helper = subprocess.run(
-                    ["pgrep", "-P", str(proc.pid), "-f", "eaglelab.rank_helper"], capture_output=True, text=True
-                ).stdout.split()
+                children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+                helper = [c for c in children if b"eaglelab.rank_helper" in Path(f"/proc/{c}/cmdline").read_bytes()]
                 killed.extend(helper)
                 os.kill(int(helper[0]), signal.SIGKILL)
 
