@@ -29,18 +29,19 @@ SLOW_MODULES = {
 # (seconds per file, measured with --durations=0 on the 2-core CI box, an Intel Xeon with AMX, 2026-12-03), so the
 # last file a worker starts is short.
 FILE_SECONDS = {
-    "test_vllm": 229,
-    "test_faults": 213,
-    "test_sweeps": 160,
-    "test_launch": 230,
-    "test_slurm": 163,
-    "test_smollm2": 122,
-    "test_results": 106,
-    "test_pipeline": 79,
-    "test_bad_input": 63,
-    "test_limits": 60,
-    "test_benchmarks": 40,
-    "test_data": 37,
+    "test_launch": 291,
+    "test_vllm": 236,
+    "test_faults": 207,
+    "test_slurm": 160,
+    "test_sweeps": 136,
+    "test_smollm2": 110,
+    "test_results": 97,
+    "test_bad_input": 70,
+    "test_pipeline": 69,
+    "test_limits": 58,
+    "test_benchmarks": 39,
+    "test_data": 31,
+    "test_ranks": 15,
 }
 
 

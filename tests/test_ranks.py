@@ -79,3 +79,44 @@ def test_each_validation_sequence_is_validated_once_over_the_ranks(count, world)
     shares = [validation_share(count, Ranks(rank, world)) for rank in range(world)]
     assert sorted(i for share in shares for i in share) == list(range(count))
     assert max(map(len, shares)) - min(map(len, shares)) <= 1  # 1/W of the steps each
+
+
+def _compare(rank: int, port: int, values: list, out):
+    import torch.distributed as dist
+
+    from eaglelab.ranks import same_on_every_rank
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(values))
+    try:
+        same_on_every_rank(values[rank], "the training prompts (a digest)", "give every node the same packages")
+        out.put((rank, None))
+    except Exception as e:
+        out.put((rank, str(e)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two spawned processes importing torch
+@pytest.mark.parametrize("values", [["abc", "abc"], ["abc", "abd"]], ids=["agree", "differ"])
+def test_ranks_that_built_different_data_stop_with_one_line_on_every_rank(values):
+    """Two gloo processes (spawned, as ranks are): what each rank holds is compared before any work."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_compare, args=(r, port, values, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    if values[0] == values[1]:
+        assert results == {0: None, 1: None}
+    else:
+        expected = "the ranks of this trial disagree on the training prompts (a digest) (rank 0: abc, rank 1: abd)"
+        assert all(expected in message for message in results.values()), results

@@ -1,4 +1,4 @@
-"""Against a real single-node Slurm that this module starts and stops (slurm/dev-cluster/): a 2×2 grid through
+"""Against a real single-node Slurm that this module starts and stops (slurm/dev-cluster/): a grid through
 `hydra/launcher=slurm`, a trial on two Slurm tasks (DDP), an Optuna sweep with 2 trials at a time, a trial
 preempted (USR2, as Slurm signals it) that submitit requeues and that resumes to the uninterrupted result, and a
 wrong partition refused before anything is queued. Needs root (the daemons) and the Debian packages
@@ -69,17 +69,18 @@ def _sacct(*fields: str) -> list[list[str]]:
     return [line.split("|") for line in out.splitlines() if line]
 
 
-def test_grid_2x2_through_the_slurm_launcher(slurm, cache_dir, tmp_path):
+def test_grid_through_the_slurm_launcher(slurm, cache_dir, tmp_path):
+    """Two trials of a grid as a Slurm array (the 2-task DDP trial below and the Optuna sweep add more jobs)."""
     sweep = tmp_path / "grid"
     proc = run_cli(
-        ["-m", *QUICK, *SLURM, "+ablation=eagle3_1,eagle3", "train.seed=0,1", f"hydra.sweep.dir={sweep}"],
+        ["-m", *QUICK, *SLURM, "+ablation=eagle3_1,eagle3", f"hydra.sweep.dir={sweep}"],
         cache_dir,
         tmp_path,
         timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = sorted(sweep.glob("*/metrics.json"))
-    assert len(runs) == 4
+    assert len(runs) == 2
     labels = {
         (
             json.loads((r.parent / "run.json").read_text())["variant"],
@@ -87,14 +88,14 @@ def test_grid_2x2_through_the_slurm_launcher(slurm, cache_dir, tmp_path):
         )
         for r in runs
     }
-    assert labels == {("eagle3.1", 0), ("eagle3.1", 1), ("eagle3", 0), ("eagle3", 1)}
+    assert labels == {("eagle3.1", 0), ("eagle3", 0)}
     ours = {p.name.split("_")[0] for p in (sweep / ".submitit").iterdir()}  # this sweep's array job(s)
     for _ in range(150):  # submitit returns as soon as the results are written; accounting follows shortly
         tasks = [state for job_id, state in _sacct("JobID", "State") if job_id.split("_")[0] in ours]
-        if tasks.count("COMPLETED") == 4:
+        if tasks.count("COMPLETED") == 2:
             break
         time.sleep(0.2)
-    assert tasks == ["COMPLETED"] * 4, tasks
+    assert tasks == ["COMPLETED"] * 2, tasks
 
 
 def test_a_trial_on_two_slurm_tasks_is_one_ddp_run(slurm, cache_dir, tmp_path):

@@ -8,6 +8,7 @@ last, so its presence means complete. `execute` is the method, stage by stage.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import time
@@ -151,6 +152,13 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
     model_cfg = drafter.cfg if drafter else build_model_config(cfg, target)
     with timer("prompts"):
         prompts = select_prompts(cfg, target)
+    # Each rank builds its prompts from what its own node has (python_docstrings reads the installed modules):
+    # ranks training on different data would still train, silently. One digest compared, one line if they differ.
+    same_on_every_rank(
+        hashlib.sha256(json.dumps(prompts.training_set, sort_keys=True).encode()).hexdigest()[:16],
+        "the training prompts (a digest)",
+        "give every node the same packages and data files, or data.sources that do not depend on the node",
+    )
     # Sizes against this data, target and machine, before any work.
     training = drafter is None  # else only evaluating: no training data
     memory = check_limits(
