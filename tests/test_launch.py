@@ -142,7 +142,7 @@ def torchrun(args: list[str], cache: Path, results: Path, env: dict | None = Non
 
 
 def test_torchrun_ranks_agree_on_one_run_directory(references, tmp_path):
-    """Each rank resolves its run directory's time stamp itself: they take rank 0's (${eaglelab.launch_stamp:})."""
+    """Each rank resolves its run directory's time stamp itself: they take rank 0's (${eaglelab.launch_stamp:...})."""
     out = torchrun(TWO_RANKS, references["cache"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     written_once(out.stdout + out.stderr)

@@ -149,14 +149,15 @@ def same_on_every_rank(value, what: str, fix: str) -> None:
         raise EaglelabError(f"the ranks of this trial disagree on {what} ({shown}); {fix}")
 
 
-def launch_stamp() -> str:
-    """The run directory's time stamp (`${eaglelab.launch_stamp:}` in conf/config.yaml). Processes that a
-    launcher started together (torchrun, srun) each resolve their run directory themselves: they take rank 0's
-    stamp, so a trial has one directory, not one per rank."""
+def launch_stamp(accelerator: str = "cpu") -> str:
+    """The run directory's time stamp (`${eaglelab.launch_stamp:${train.accelerator}}` in conf/config.yaml).
+    Processes that a launcher started together (torchrun, srun) each resolve their run directory themselves: they
+    take rank 0's stamp, so a trial has one directory, not one per rank. (The group joined for it is the trial's, on
+    the backend training will use.)"""
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S-%f")
     env = cluster_environment()
     if _launcher_knows_the_world(env) and env.world_size() > 1:
-        establish(env, Ranks(env.global_rank(), env.world_size(), env.local_rank(), env.node_rank()))
+        establish(env, Ranks(env.global_rank(), env.world_size(), env.local_rank(), env.node_rank()), accelerator)
         stamp = broadcast(stamp)
     return stamp
 

@@ -37,8 +37,9 @@ def variant_of(drafter: Mapping | object) -> str:
 
 def register_resolver() -> None:
     """The resolvers conf/ uses: `${eaglelab.variant:${drafter}}` (the schema's default `variant`) and
-    `${eaglelab.launch_stamp:}` (a run directory's time, one for all ranks: eaglelab.ranks). Registered when
-    `eaglelab` is imported, so every process that resolves a config (a submitit or Slurm job too) has them."""
+    `${eaglelab.launch_stamp:${train.accelerator}}` (a run directory's time, one for all ranks: eaglelab.ranks).
+    Registered when `eaglelab` is imported, so every process that resolves a config (a submitit or Slurm job too)
+    has them."""
     try:
         from omegaconf import OmegaConf
     except ImportError:  # no configs to resolve (the drafter and training used as a library, a bare GPU box)
@@ -49,7 +50,7 @@ def register_resolver() -> None:
         OmegaConf.register_resolver("eaglelab.launch_stamp", _launch_stamp, use_cache=True)
 
 
-def _launch_stamp() -> str:
+def _launch_stamp(accelerator: str = "cpu") -> str:
     from eaglelab.ranks import launch_stamp  # torch only when a run directory is named
 
-    return launch_stamp()
+    return launch_stamp(accelerator)
