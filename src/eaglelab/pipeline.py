@@ -40,6 +40,7 @@ from eaglelab.io import atomic_write_text, write_csv
 from eaglelab.limits import as_disk_full, check_limits, measured_peaks
 from eaglelab.plots import plot_acceptance, plot_speedup
 from eaglelab.ranks import broadcast, is_primary, same_on_every_rank, trial_ranks
+from eaglelab.ranks import current as current_ranks
 from eaglelab.rundir import RunRecord, adopt_trained_settings, begin_attempt, end_attempt
 from eaglelab.suites import SuiteInputs, check_suites, evaluate_suites, prepare_suites
 from eaglelab.targets import Target, TargetWeights, load_target, target_device
@@ -154,11 +155,15 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
         prompts = select_prompts(cfg, target)
     # Each rank builds its prompts from what its own node has (python_docstrings reads the installed modules):
     # ranks training on different data would still train, silently. One digest compared, one line if they differ.
-    same_on_every_rank(
-        hashlib.sha256(json.dumps(prompts.training_set, sort_keys=True).encode()).hexdigest()[:16],
-        "the training prompts (a digest)",
-        "give every node the same packages and data files, or data.sources that do not depend on the node",
-    )
+    if current_ranks().world_size > 1:
+        digest = hashlib.sha256()
+        for prompt in prompts.training_set:  # prompt by prompt: no copy of the whole set as one string
+            digest.update(json.dumps(prompt, sort_keys=True).encode())
+        same_on_every_rank(
+            digest.hexdigest()[:16],
+            "the training prompts (a digest)",
+            "give every node the same packages and data files, or data.sources that do not depend on the node",
+        )
     # Sizes against this data, target and machine, before any work.
     training = drafter is None  # else only evaluating: no training data
     memory = check_limits(

@@ -99,9 +99,13 @@ def _launcher_knows_the_world(env) -> bool:
     return not isinstance(env, LightningEnvironment)
 
 
+def _launcher_facts(env) -> Ranks:
+    return Ranks(env.global_rank(), env.world_size(), env.local_rank(), env.node_rank())
+
+
 def facts(env, devices: int, num_nodes: int) -> Ranks:
     if _launcher_knows_the_world(env):
-        return Ranks(env.global_rank(), env.world_size(), env.local_rank(), env.node_rank())
+        return _launcher_facts(env)
     # Lightning's own environment knows only the local and node ranks: the world is the config's (as Lightning does)
     return Ranks(env.node_rank() * devices + env.local_rank(), devices * num_nodes, env.local_rank(), env.node_rank())
 
@@ -157,7 +161,7 @@ def launch_stamp(accelerator: str = "cpu") -> str:
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S-%f")
     env = cluster_environment()
     if _launcher_knows_the_world(env) and env.world_size() > 1:
-        establish(env, Ranks(env.global_rank(), env.world_size(), env.local_rank(), env.node_rank()), accelerator)
+        establish(env, _launcher_facts(env), accelerator)
         stamp = broadcast(stamp)
     return stamp
 

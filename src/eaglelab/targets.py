@@ -150,15 +150,24 @@ def _gguf_folder(gguf: Path, cache_dir: Path, name: str, fix: str) -> tuple[Path
     """A GGUF file as a cached HF folder, keyed by the file's content."""
     digest = _sha256(gguf)[:16]
     out = cache_dir / "targets" / f"{name}-{digest}"
-    if not (out / "config.json").is_file():
+
+    def convert():
         from rich.console import Console
 
-        # Trials of a sweep starting at once convert once: the others wait for the folder.
+        with Console(stderr=True).status(f"converting {gguf.name} -> {out} (once, ~30 s)"):
+            _convert_gguf(gguf, out, fix)
+
+    _build_once(out, cache_dir, convert)
+    return out, digest
+
+
+def _build_once(out: Path, cache_dir: Path, build) -> None:
+    """A cached target folder, built by one process: trials of a sweep starting at once, and the ranks of one trial,
+    wait for the folder another one is building."""
+    if not (out / "config.json").is_file():
         with file_lock(cache_dir / "locks" / f"{out.name}.lock"):
             if not (out / "config.json").is_file():
-                with Console(stderr=True).status(f"converting {gguf.name} -> {out} (once, ~30 s)"):
-                    _convert_gguf(gguf, out, fix)
-    return out, digest
+                build()
 
 
 def _smollm2_folder(cache_dir: Path) -> tuple[Path, str]:
@@ -269,11 +278,7 @@ def _tiny_folder(cfg: TargetConfig, cache_dir: Path) -> tuple[Path, str]:
     gguf = smollm2_gguf_path()
     digest = hashlib.sha256((json.dumps(spec, sort_keys=True) + _sha256(gguf)).encode()).hexdigest()[:16]
     out = cache_dir / "targets" / f"tiny-{digest}"
-    if not (out / "config.json").is_file():
-        # The ranks of a trial (and trials starting at once) build it once: the others wait for the folder.
-        with file_lock(cache_dir / "locks" / f"{out.name}.lock"):
-            if not (out / "config.json").is_file():
-                _build_tiny(cfg, gguf, out)
+    _build_once(out, cache_dir, lambda: _build_tiny(cfg, gguf, out))
     return out, f"tiny:{digest}"
 
 
