@@ -127,7 +127,13 @@ def establish(env, ranks: Ranks, accelerator: str = "cpu") -> None:
             torch.cuda.set_device(ranks.local_rank)
         os.environ["MASTER_ADDR"] = env.main_address
         os.environ["MASTER_PORT"] = str(env.main_port)
-        dist.init_process_group("nccl" if nccl else "gloo", rank=ranks.rank, world_size=ranks.world_size)
+        # Lightning's DDP timeout (30 min), which it would have passed: NCCL's own default is 10 min, shorter than
+        # rank 0 may take to prepare the held-out set and the suites while the others wait in DDP's first collective.
+        from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+
+        dist.init_process_group(
+            "nccl" if nccl else "gloo", rank=ranks.rank, world_size=ranks.world_size, timeout=default_pg_timeout
+        )
     _current = ranks
     rank_zero_only.rank = ranks.rank
 
