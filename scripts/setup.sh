@@ -43,6 +43,8 @@ $PY -c "import eaglelab, lightning, transformers, hydra, vllm; from eaglelab.tar
 # A real single-node Slurm for tests/test_slurm.py and for trying the Slurm launcher (Debian packages, root).
 if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
     bash slurm/dev-cluster/install.sh
+    # A C compiler for tests/no_flock.c (tests/test_locks.py: a file system without flock); most images have one.
+    command -v gcc >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends gcc libc6-dev >/dev/null
 else
     echo "eaglelab setup: not root: skipping the Slurm packages (tests/test_slurm.py will be skipped)" >&2
 fi

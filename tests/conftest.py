@@ -42,6 +42,7 @@ FILE_SECONDS = {
     "test_benchmarks": 39,
     "test_data": 31,
     "test_ranks": 15,
+    "test_locks": 12,
 }
 
 
@@ -117,3 +118,12 @@ def run_cli(args: list[str], cache_dir: Path, results_dir: Path, timeout: int = 
         text=True,
         timeout=timeout,
     )
+
+
+@pytest.fixture(scope="session")
+def no_flock(tmp_path_factory) -> dict:
+    """The environment of a process on a file system without flock: tests/no_flock.c, built here and LD_PRELOADed,
+    makes every flock() fail with ENOSYS (what Lustre without its `flock` mount option answers)."""
+    lib = tmp_path_factory.mktemp("no_flock") / "libnoflock.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(lib), str(ROOT / "tests" / "no_flock.c")], check=True)
+    return {"LD_PRELOAD": str(lib)}

@@ -63,6 +63,7 @@ def bad_files(cache_dir, tmp_path_factory) -> Path:
         (["data.num_prompts=0"], "data.num_prompts must be > 0"),
         (["drafter.draft_vocab_size=0"], "drafter.draft_vocab_size must be > 0"),
         (["train.step_decay=1.5"], "train.step_decay must be in (0, 1]"),
+        (["train.precision=16-true"], "train.precision=16-true keeps the weights and AdamW's moments in float16"),
         (
             ["drafter.draft_vocab_size=60000"],
             "exceeds the target's vocabulary (49152 tokens); lower drafter.draft_vocab_size",

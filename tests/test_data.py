@@ -189,10 +189,13 @@ def test_a_killed_regeneration_keeps_its_finished_shards(tiny, cache_dir, tmp_pa
 
 
 def test_hybrid_states_survive_a_killed_first_epoch(tiny, tmp_path):
-    """Hybrid features: an attempt killed mid-epoch leaves a shard without its rows list (unused) — the next
-    attempt records the batches it sees and, when publishing, computes the sequences no whole shard holds. The
-    published entry equals the states online features compute, row for row, and a cached preparation of the
+    """Hybrid features: each process writes its states in shards of `shard_sequences`, a shard counting once its
+    rows list exists. An attempt killed mid-epoch loses only the shard in flight; the next attempt records the
+    batches it sees and, when publishing, computes the sequences no closed shard holds (here: that one shard's).
+    The published entry equals the states online features compute, row for row, and a cached preparation of the
     same set then reuses it."""
+    from types import SimpleNamespace
+
     from torch.utils.data import DataLoader
 
     from eaglelab.batches import FeatureDataset, HybridStates, OnlineStates, collate
@@ -202,17 +205,23 @@ def test_hybrid_states_survive_a_killed_first_epoch(tiny, tmp_path):
     seqs, _ = prepare_features(tiny, prompts, cache_dir=tmp_path, features="hybrid", **kw)
     assert seqs.states is None
     online = OnlineStates(tiny.model, [2, 4, 5], with_final=False)
-    batches = list(DataLoader(FeatureDataset(seqs, range(len(seqs)), False), batch_size=2, collate_fn=collate))
+    batches = list(DataLoader(FeatureDataset(seqs, range(len(seqs)), False), batch_size=1, collate_fn=collate))
 
-    killed = HybridStates(seqs, seqs.states_dir, False, run_id="r")
-    killed.record(online(batches[0]))  # then SIGKILL: its writer is never closed
-    resumed = HybridStates(seqs, seqs.states_dir, False, run_id="r")
-    resumed.record(online(batches[1]))
-    resumed.publish(online, torch.device("cpu"), barrier=lambda: None, primary=True, batch_size=2)
+    killed = HybridStates(seqs, seqs.states_dir, False, run_id="r", shard_sequences=2)
+    for batch in batches[:3]:  # a whole shard (closed, its rows list written), then one sequence into the next
+        killed.record(online(batch))  # then SIGKILL: that shard's writer is never closed
+    resumed = HybridStates(seqs, seqs.states_dir, False, run_id="r", shard_sequences=2)
+    for batch in batches[3:]:  # the resumed epoch goes on from the checkpoint after the third batch
+        resumed.record(online(batch))
+    one_process = SimpleNamespace(barrier=lambda: None, global_rank=0, world_size=1)
+    resumed.publish(online, torch.device("cpu"), one_process, batch_size=2)
     assert resumed.published and seqs.states is not None
-    shards = json.loads((seqs.states_dir / "complete.json").read_text())["shards"]
+    meta = json.loads((seqs.states_dir / "complete.json").read_text())
+    shards = meta["shards"]
     assert sorted(r for s in shards for r in s["rows"]) == list(range(len(seqs)))
-    assert [len(s["rows"]) for s in shards] == [2, len(seqs) - 2]  # the resumed shard + the ones computed at the end
+    # killed's closed shard, the resumed attempt's closed one and the one it had open, and the one computed
+    assert sorted(len(s["rows"]) for s in shards) == [1, 1, 2, 2]
+    assert meta["recomputed"] == 1  # only what the killed attempt had in flight
     assert not list(seqs.states_dir.parent.glob(".*partial*"))
     assert {p.name for p in seqs.states_dir.glob("*.arrow")} == {s["file"] for s in shards}  # no unused shard
     assert not [p for p in seqs.states_dir.iterdir() if ".tmp-" in p.name]  # nor the killed writer's file

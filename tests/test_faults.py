@@ -139,16 +139,16 @@ def test_a_torn_checkpoint_is_never_resumed_from(cache_dir, tmp_path):
 
 
 # --- interrupted data preparation, then two runs at once on what it left ------------------------------------------
-def test_ctrl_c_during_data_preparation_leaves_no_partial_cache_and_two_runs_then_share_it(tmp_path):
+def test_ctrl_c_during_data_preparation_leaves_no_partial_cache_and_two_runs_then_share_it(no_flock, tmp_path):
     """SIGINT while the target regenerates the training data into a cold cache: the run says interrupted and no
     cache entry exists half-made. The run is started the way a script's background job is (SIGINT inherited as
     ignored): Ctrl-C / kill -INT still interrupts it. Then two runs started together on that cache and one results
-    root: both complete in their own directories, the shared data is prepared once (the other run waits for it)
-    and both train on the same data."""
+    root, on a file system without flock (tests/no_flock.c: the entry locks are leases): both complete in their own
+    directories, the shared data is prepared once (the other run waits for it) and both train on the same data."""
     cache, results, run_dir = tmp_path / "cache", tmp_path / "results", tmp_path / "run"
     proc = cli([*SMOKE, f"hydra.run.dir={run_dir}"], cache, tmp_path, preexec_fn=ignore_sigint)
     wait_for(
-        lambda: list((cache / "locks").glob("regen-*.lock")) if (cache / "locks").exists() else [],
+        lambda: list((cache / "locks").glob("regen-*.lock*")) if (cache / "locks").exists() else [],
         300,
         "data preparation",
         proc,
@@ -159,9 +159,12 @@ def test_ctrl_c_during_data_preparation_leaves_no_partial_cache_and_two_runs_the
     assert not list(cache.glob("*/*/complete.json"))  # no entry is taken for whole (finished shards are kept)
     assert not [p for p in cache.rglob("shard-*.arrow") if p.stat().st_size == 0]
 
-    procs = [cli(SMOKE, cache, results) for _ in range(2)]
+    procs = [cli(SMOKE, cache, results, env=no_flock) for _ in range(2)]
     outs = [p.communicate(timeout=900) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-1500:] for o in outs]
+    for stage in ("regenerate train", "capture train"):  # one run prepared each; the other found it complete
+        assert sum(stage in err for _, err in outs) == 1, stage
+    assert not list((cache / "locks").glob("*.lease"))  # every lease released
     run_dirs = sorted(p.parent for p in results.glob("runs/*/metrics.json"))
     assert len(run_dirs) == 2 and run_dirs[0] != run_dirs[1]
     entries = cache_entries(cache)

@@ -8,10 +8,10 @@ them: the published entry holds each sequence once.
 
 | path                                   | who starts the ranks                | cells                   |
 |----------------------------------------|-------------------------------------|-------------------------|
-| `python src/run.py train.devices=2`    | eaglelab (`eaglelab.ranks`)         | cached                  |
-| `-m` basic launcher, 3 trials in turn  | eaglelab, once per trial            | hybrid, online, cached  |
-| `-m hydra/launcher=local` (submitit)   | eaglelab, inside each submitit job  | hybrid, online          |
-| `torchrun --nproc-per-node 2`          | torchrun                            | cached; hybrid, online  |
+| `python src/run.py train.devices=2`    | eaglelab (`eaglelab.ranks`)         | cached; hybrid, killed  |
+| `-m` basic launcher, 2 trials in turn  | eaglelab, once per trial            | online, cached          |
+| `-m hydra/launcher=local` (submitit)   | eaglelab, inside each submitit job  | hybrid                  |
+| `torchrun --nproc-per-node 2 -m`       | torchrun                            | hybrid, online          |
 | torchrun inside a Slurm allocation     | torchrun (not Slurm: Lightning's order) | cached              |
 | two "nodes", NODE_RANK=0/1             | the user, one command per node      | cached                  |
 (Slurm tasks, `tasks_per_node: ${train.devices}`, are the Slurm launcher's path: tests/test_slurm.py.)
@@ -101,33 +101,31 @@ def test_train_devices_2_starts_its_ranks_itself(references, tmp_path):
 def test_a_basic_launcher_sweep_runs_each_trial_once_on_two_ranks(references, tmp_path):
     """Lightning's launcher would re-run sys.argv (the whole sweep) in each child; each trial here starts its own
     rank, in turn, in the sweep's one process."""
-    cache, sweep = tmp_path / "cache", tmp_path / "sweep"
-    out = run_cli(["-m", *TWO_RANKS, "features=hybrid,online,cached", f"hydra.sweep.dir={sweep}"], cache, tmp_path)
+    sweep = tmp_path / "sweep"
+    out = run_cli(
+        ["-m", *TWO_RANKS, "features=online,cached", f"hydra.sweep.dir={sweep}"], references["cache"], tmp_path
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    written_once(out.stdout + out.stderr, trials=3)
+    written_once(out.stdout + out.stderr, trials=2)
     trials = run_dirs(sweep)
-    assert [p.name.split("_")[0] for p in trials] == ["0", "1", "2"]
-    for trial, kind in zip(trials, ("hybrid", "online", "cached")):
+    assert [p.name.split("_")[0] for p in trials] == ["0", "1"]
+    for trial, kind in zip(trials, ("online", "cached")):
         same_as_one_process(trial, references[kind])
-    published_once(cache, trials[0])
 
 
 def test_submitit_local_jobs_start_their_ranks(references, tmp_path):
     """submitit's job process runs `python -m submitit.core._submit FOLDER`: a rank started from that argv would
     fail in submitit's parser (hydra/launcher=local did, before eaglelab started its ranks itself)."""
     cache, sweep = tmp_path / "cache", tmp_path / "sweep"
-    args = ["-m", "hydra/launcher=local", *TWO_RANKS, "features=hybrid,online", f"hydra.sweep.dir={sweep}"]
+    args = ["-m", "hydra/launcher=local", *TWO_RANKS, "features=hybrid", f"hydra.sweep.dir={sweep}"]
     out = run_cli(args, cache, tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    trials = run_dirs(sweep)
-    assert len(trials) == 2, trials
-    for trial, kind in zip(trials, ("hybrid", "online")):
-        same_as_one_process(trial, references[kind])
-        logs = "".join(p.read_text() for p in (sweep / ".submitit").rglob("*.err")) + (trial / "run.log").read_text()
-        assert "unrecognized arguments" not in logs
-    published_once(cache, trials[0])
-    for trial in trials:
-        assert json.loads((trial / "run.json").read_text())["status"] == "complete"
+    (trial,) = run_dirs(sweep)
+    same_as_one_process(trial, references["hybrid"])
+    logs = "".join(p.read_text() for p in (sweep / ".submitit").rglob("*.err")) + (trial / "run.log").read_text()
+    assert "unrecognized arguments" not in logs
+    published_once(cache, trial)
+    assert json.loads((trial / "run.json").read_text())["status"] == "complete"
 
 
 def torchrun(args: list[str], cache: Path, results: Path, env: dict | None = None):
@@ -139,15 +137,6 @@ def torchrun(args: list[str], cache: Path, results: Path, env: dict | None = Non
         text=True,
         timeout=600,
     )
-
-
-def test_torchrun_ranks_agree_on_one_run_directory(references, tmp_path):
-    """Each rank resolves its run directory's time stamp itself: they take rank 0's (${eaglelab.launch_stamp:...})."""
-    out = torchrun(TWO_RANKS, references["cache"], tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
-    written_once(out.stdout + out.stderr)
-    (run_dir,) = run_dirs(tmp_path / "runs")  # one, not one per rank
-    same_as_one_process(run_dir, references["cached"])
 
 
 def test_torchrun_with_each_features_mode(references, tmp_path):
@@ -163,13 +152,15 @@ def test_torchrun_with_each_features_mode(references, tmp_path):
 
 def test_torchrun_inside_a_slurm_allocation_is_torchrun(references, tmp_path):
     """Slurm's variables are set (salloc, then torchrun), but torchrun started the ranks: its environment is the
-    one Lightning picks first, so a 1-task allocation does not make a world of 1."""
+    one Lightning picks first, so a 1-task allocation does not make a world of 1. Each rank resolves its run
+    directory's time stamp itself: they take rank 0's (${eaglelab.launch_stamp:...}), one run directory. (Without
+    Slurm's variables: test_torchrun_with_each_features_mode.)"""
     slurm = {"SLURM_NTASKS": "1", "SLURM_JOB_ID": "77", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
     slurm |= {"SLURM_NODEID": "0", "SLURM_NODELIST": "localhost", "SLURM_JOB_NAME": "train"}
     out = torchrun(TWO_RANKS, references["cache"], tmp_path, env=slurm)
     assert out.returncode == 0, out.stderr[-3000:]
     written_once(out.stdout + out.stderr)
-    (run_dir,) = run_dirs(tmp_path / "runs")
+    (run_dir,) = run_dirs(tmp_path / "runs")  # one, not one per rank
     same_as_one_process(run_dir, references["cached"])
 
 
@@ -216,42 +207,44 @@ def test_two_nodes_without_a_scheduler(references, tmp_path):
 
 
 def test_a_rank_that_dies_ends_the_trial_and_the_same_command_resumes_it(references, tmp_path):
-    """A rank eaglelab started is SIGKILLed mid-training: rank 0 (waiting for it in a collective) is told, records
-    the attempt and exits, instead of waiting out the collective's 30-minute timeout; the same command resumes."""
+    """Hybrid features, 2 ranks, shards of 2 sequences: a rank eaglelab started is SIGKILLed inside epoch 1, once
+    shards were closed. Rank 0 (waiting for it in a collective) is told, records the attempt and exits, instead of
+    waiting out the collective's 30-minute timeout. The same command resumes: the published entry holds every
+    sequence once, and what was computed again at publishing is at most the shard each rank had in flight."""
     import signal
     import threading
+    import time
 
-    args = [sys.executable, str(ROOT / "src" / "run.py"), *TWO_RANKS, f"hydra.run.dir={tmp_path / 'run'}"]
-    proc = subprocess.Popen(
-        args,
-        cwd=ROOT,
-        env=cli_env(references["cache"], tmp_path),
-        stderr=subprocess.STDOUT,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    lines, killed = [], []
-
-    def read():
-        for line in proc.stdout:
-            lines.append(line)
-            if "[rank 1] INFO stage: train" in line and not killed:
-                children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-                helper = [c for c in children if b"eaglelab.rank_helper" in Path(f"/proc/{c}/cmdline").read_bytes()]
-                killed.extend(helper)
-                os.kill(int(helper[0]), signal.SIGKILL)
-
-    reader = threading.Thread(target=read)
+    cache, run_dir = tmp_path / "cache", tmp_path / "run"
+    cell = [*TWO_RANKS, "features=hybrid", "data.shard_size=2", "train.checkpoint_every_n_steps=2"]
+    args = [sys.executable, str(ROOT / "src" / "run.py"), *cell, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(args, cwd=ROOT, env=cli_env(cache, tmp_path), stderr=subprocess.STDOUT,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout))
     reader.start()
+    deadline = time.monotonic() + 300
+    while len(list(cache.glob("features/.*partial*/*.rows.json"))) < 2:  # a closed shard on each rank, or two
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+        time.sleep(0.02)
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    (helper,) = [c for c in children if b"eaglelab.rank_helper" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    os.kill(int(helper), signal.SIGKILL)
     proc.wait(timeout=300)  # not the 30 minutes of a collective's timeout
     reader.join()
     output = "".join(lines)
-    assert killed and proc.returncode != 0, output[-3000:]
-    assert f"local rank 1 (pid {killed[0]}) ended with exit code -9" in output
-    record = json.loads((tmp_path / "run" / "run.json").read_text())
-    assert record["status"] in ("interrupted", "failed") and not (tmp_path / "run" / "metrics.json").exists()
+    assert proc.returncode != 0, output[-3000:]
+    assert f"local rank 1 (pid {helper}) ended with exit code -9" in output
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] in ("interrupted", "failed") and not (run_dir / "metrics.json").exists()
+    assert not [p for p in cache.glob("features/*/complete.json") if "shard-" not in p.read_text()]  # unpublished
 
-    again = run_cli([*TWO_RANKS, f"hydra.run.dir={tmp_path / 'run'}"], references["cache"], tmp_path)
+    again = run_cli([*cell, f"hydra.run.dir={run_dir}"], cache, tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert json.loads((tmp_path / "run" / "run.json").read_text())["attempt"] == 2
-    same_as_one_process(tmp_path / "run", references["cached"])
+    assert json.loads((run_dir / "run.json").read_text())["attempt"] == 2
+    published_once(cache, run_dir)
+    (entry,) = [
+        json.loads(p.read_text()) for p in cache.glob("features/*/complete.json") if "shard-" not in p.read_text()
+    ]
+    assert entry["recomputed"] <= 2 * 2, entry["recomputed"]  # at most one shard of 2 per rank
+    same_as_one_process(run_dir, references["hybrid"])

@@ -334,11 +334,13 @@ def test_keep_best_exports_the_epoch_with_the_best_validation_tau(cache_dir, tmp
     assert total.acceptance_length == pytest.approx(max(per_epoch), abs=1e-6)
 
 
-@pytest.mark.parametrize("precision", ["bf16-true"])
+@pytest.mark.parametrize("precision", ["bf16-true", "64-true"])
 def test_a_true_precision_trains_on_states_the_target_computes(precision, cache_dir, tmp_path):
-    """train.precision=bf16-true (or 64-true) with online features: Lightning casts a batch to that dtype before
+    """train.precision=bf16-true or 64-true with online features: Lightning casts a batch to that dtype before
     the transfer hook, where the target has not computed the states yet; they must reach fc in the weights'
-    dtype. (hybrid computes its first epoch through the same hook; cached batches are cast by Lightning itself.)"""
+    dtype. (hybrid computes its first epoch through the same hook; cached batches are cast by Lightning itself.)
+    Evaluated in float32 afterwards, with the embedding back in the target's dtype (64-true's float64 rows made
+    every layer's input float64). 16-true is refused (tests/test_bad_input.py)."""
     overrides = ["experiment=smoke", "features=online", f"train.precision={precision}", "train.epochs=1",
                  "eval.suites.drift.enabled=false", "eval.suites.extrapolation.enabled=false"]  # fmt: skip
     metrics = json.loads((run(compose(overrides, cache_dir, tmp_path / "r")) / "metrics.json").read_text())

@@ -81,25 +81,27 @@ def test_each_validation_sequence_is_validated_once_over_the_ranks(count, world)
     assert max(map(len, shares)) - min(map(len, shares)) <= 1  # 1/W of the steps each
 
 
-def _compare(rank: int, port: int, values: list, out):
+def _compare(rank: int, port: int, cases: list[list], out):
     import torch.distributed as dist
 
     from eaglelab.ranks import same_on_every_rank
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(values))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(cases[0]))
     try:
-        same_on_every_rank(values[rank], "the training prompts (a digest)", "give every node the same packages")
-        out.put((rank, None))
-    except Exception as e:
-        out.put((rank, str(e)))
+        for case, values in enumerate(cases):
+            try:
+                same_on_every_rank(values[rank], "the training prompts (a digest)", "give every node the same packages")
+                out.put((case, rank, None))
+            except Exception as e:
+                out.put((case, rank, str(e)))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow  # two spawned processes importing torch
-@pytest.mark.parametrize("values", [["abc", "abc"], ["abc", "abd"]], ids=["agree", "differ"])
-def test_ranks_that_built_different_data_stop_with_one_line_on_every_rank(values):
-    """Two gloo processes (spawned, as ranks are): what each rank holds is compared before any work."""
+def test_ranks_that_built_different_data_stop_with_one_line_on_every_rank():
+    """Two gloo processes (spawned, as ranks are): what each rank holds is compared before any work; the same
+    value passes, different values stop every rank with one line naming both."""
     import socket
 
     import torch.multiprocessing as mp
@@ -107,16 +109,15 @@ def test_ranks_that_built_different_data_stop_with_one_line_on_every_rank(values
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    agree, differ = ["abc", "abc"], ["abc", "abd"]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_compare, args=(r, port, values, out)) for r in range(2)]
+    procs = [ctx.Process(target=_compare, args=(r, port, [agree, differ], out)) for r in range(2)]
     for p in procs:
         p.start()
-    results = dict(out.get(timeout=120) for _ in procs)
+    results = {(case, rank): message for case, rank, message in (out.get(timeout=120) for _ in range(4))}
     for p in procs:
         p.join(timeout=60)
-    if values[0] == values[1]:
-        assert results == {0: None, 1: None}
-    else:
-        expected = "the ranks of this trial disagree on the training prompts (a digest) (rank 0: abc, rank 1: abd)"
-        assert all(expected in message for message in results.values()), results
+    assert results[0, 0] is None and results[0, 1] is None
+    expected = "the ranks of this trial disagree on the training prompts (a digest) (rank 0: abc, rank 1: abd)"
+    assert expected in results[1, 0] and expected in results[1, 1], results

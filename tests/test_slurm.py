@@ -7,6 +7,7 @@ scripts/setup.sh installs."""
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -154,9 +155,33 @@ def test_optuna_sweep_with_two_parallel_jobs(slurm, cache_dir, tmp_path):
     assert any(max(s for s, _ in p) < min(e for _, e in p) for p in pairs)  # overlapping in time
 
 
+def _process_catching_usr2(name: str, sweeper: subprocess.Popen, timeout: float = 300) -> int:
+    """The pid of the (single-node Slurm's) Python process running the file `name`, once it catches SIGUSR2
+    (bit 12 of /proc/PID/status's SigCgt). srun's command line names the file too: only a python's counts."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and sweeper.poll() is None:
+        for proc in Path("/proc").iterdir():
+            try:
+                argv = (proc / "cmdline").read_bytes().split(b"\0") if proc.name.isdigit() else []
+                if (
+                    len(argv) > 2
+                    and Path(argv[0].decode()).name.startswith("python")
+                    and argv[2].endswith(name.encode())
+                ):
+                    status = (proc / "status").read_text().splitlines()
+                    caught = int(next(line for line in status if line.startswith("SigCgt")).split()[1], 16)
+                    if caught & (1 << (signal.SIGUSR2 - 1)):
+                        return int(proc.name)
+            except (OSError, StopIteration):
+                continue
+        time.sleep(0.002)
+    raise AssertionError(f"no Python process running {name} caught SIGUSR2")
+
+
 def test_preempted_trial_is_requeued_and_resumes_to_the_same_result(slurm, cache_dir, tmp_path):
     """USR2 mid-training: submitit checkpoints (Hydra's launcher resubmits the same trial), requeues the job,
-    the job starts again in the same run directory and resumes from lightning/last.ckpt."""
+    the job starts again in the same run directory and resumes from lightning/last.ckpt. USR2 again at that job's
+    first instant, before submitit's handler exists: kept, delivered to it, requeued once more."""
     overrides = ["train.num_threads=1"]
     reference = tmp_path / "reference"
     preemption.run_to_end(reference, cache_dir, overrides)
@@ -184,16 +209,24 @@ def test_preempted_trial_is_requeued_and_resumes_to_the_same_result(slurm, cache
     job_id = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True).stdout.split()[0]
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
     faults.start_requeued_now(job_id, sweeper)  # (Slurm would hold the requeued job ~2 min first)
+    # The requeued job is signalled again at its very start: its interpreter already runs eaglelab/slurm_entry.py
+    # (USR2 caught) but submitit has not installed its handler yet. Without the entry, the task died of it here.
+    entry = _process_catching_usr2("slurm_entry.py", sweeper)
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    faults.start_requeued_now(job_id, sweeper)
     out, err = sweeper.communicate(timeout=900)
     assert sweeper.returncode == 0, err[-3000:]
     run_dir = ckpt.parent.parent
+    logs = "".join(p.read_text() for p in sweep.glob(".submitit/**/*_log.*"))  # (.out and .err)
+    assert "SIGUSR2 before submitit's handler" in logs, (entry, logs[-3000:])
+    assert "SIGUSR2 arrived before submitit's handler was installed: delivering it now" in logs
     info = json.loads((run_dir / "run.json").read_text())
-    assert info["status"] == "complete" and info["attempt"] == 2
+    assert info["status"] == "complete" and info["attempt"] == 2  # (the early USR2 came before any attempt began)
     # The first attempt acted on the USR2 itself, in training (outside any write, or right after it)
     assert info["earlier"][0]["status"] == "interrupted"
     assert info["earlier"][0]["signal"]["name"] == "SIGUSR2" and info["earlier"][0]["signal"]["stage"] == "train"
     restarts = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
-    assert "Restarts=1" in restarts, restarts  # Slurm requeued the same job (submitit's doing)
+    assert "Restarts=2" in restarts, restarts  # Slurm requeued the same job, twice (submitit's doing)
     a, b = load_file(run_dir / "drafter" / "model.safetensors"), load_file(reference / "drafter" / "model.safetensors")
     assert all((a[k] == b[k]).all() for k in a)
     weights, metrics, differ = preemption.compare(run_dir, reference)

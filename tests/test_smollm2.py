@@ -48,6 +48,7 @@ def smollm2_run(cache_dir, tmp_path_factory):
         "data.val_prompts=2",
         "train.epochs=12",  # enough steps that drafts are accepted, so parity has counts to compare
         "eval.vllm.throughput_ks=[]",  # decode speed is measured on the tiny target (tests/test_vllm.py)
+        "data.regen_backend=hf",  # (a SmolLM2 engine is still started to evaluate; vLLM regeneration: test_data.py)
     ]
     return run(compose(overrides, cache_dir, tmp_path_factory.mktemp("smollm2") / "run"))
 

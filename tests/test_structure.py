@@ -56,6 +56,7 @@ RANK = {
     "eaglelab.pipeline": 7,
     "eaglelab.sweeps": 7,
     "eaglelab.rank_helper": 7,  # a rank eaglelab.ranks started: it runs the loop
+    "eaglelab.slurm_entry": 7,  # a Slurm job's interpreter, in front of submitit (imports nothing of eaglelab)
 }
 NO_LIGHTNING = (
     "eaglelab.batches",

@@ -311,19 +311,14 @@ def test_a_two_layer_drafter_drafts_in_vllm(cache_dir, tmp_path):
 
 # --- bad input ------------------------------------------------------------------------------------
 def test_checkpoint_for_another_target_is_refused(evaluated_run, cache_dir, tmp_path):
-    proc = run_cli(
-        [
-            "experiment=smoke",
-            f"checkpoint={evaluated_run}",
-            "target.tiny.hidden_size=256",
-            "target.tiny.intermediate_size=512",
-        ],
-        cache_dir,
-        tmp_path,
-    )
-    line = error_line(proc.returncode, proc.stderr)
-    assert "trained for another target (target hidden size 128 != 256)" in line
-    assert not list(tmp_path.rglob("metrics.json"))
+    """(Through what the CLI calls; the CLI prints such an error as its one `error:` line: test_bad_input.py.)"""
+    from eaglelab.errors import EaglelabError
+
+    overrides = ["experiment=smoke", f"checkpoint={evaluated_run}", "target.tiny.hidden_size=256"]
+    with pytest.raises(EaglelabError) as e:
+        run(compose([*overrides, "target.tiny.intermediate_size=512"], cache_dir, tmp_path / "run"))
+    assert "trained for another target (target hidden size 128 != 256)" in str(e.value)
+    assert "\n" not in str(e.value) and not list(tmp_path.rglob("metrics.json"))
 
 
 def test_corrupt_safetensors_is_named(evaluated_run, cache_dir, tmp_path):
@@ -332,8 +327,11 @@ def test_corrupt_safetensors_is_named(evaluated_run, cache_dir, tmp_path):
     (broken / "config.json").write_text((evaluated_run / "drafter" / "config.json").read_text())
     data = (evaluated_run / "drafter" / "model.safetensors").read_bytes()
     (broken / "model.safetensors").write_bytes(data[: len(data) // 2])  # a copy cut short
-    proc = run_cli(["experiment=smoke", f"checkpoint={broken}"], cache_dir, tmp_path / "results")
-    assert f"cannot read drafter checkpoint {broken}" in error_line(proc.returncode, proc.stderr)
+    from eaglelab.errors import EaglelabError
+
+    with pytest.raises(EaglelabError) as e:
+        run(compose(["experiment=smoke", f"checkpoint={broken}"], cache_dir, tmp_path / "results" / "run"))
+    assert f"cannot read drafter checkpoint {broken}" in str(e.value) and "\n" not in str(e.value)
     assert not list(tmp_path.rglob("metrics.json"))
 
 

@@ -8,6 +8,7 @@ from the batch.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -31,6 +32,8 @@ from eaglelab.data.store import (
 )
 from eaglelab.drafter import Eagle3Drafter
 from eaglelab.io import atomic_write_json
+
+log = logging.getLogger(__name__)
 
 
 # --- data ------------------------------------------------------------------------------------
@@ -141,16 +144,19 @@ class OnlineStates:
 
 
 class HybridStates:
-    """Hybrid features: the states the target computes online in the first epoch are written as they come (one
-    state shard per process and attempt, each with its rows), and at the end of that epoch published as the
-    set's state store, where the later epochs (and other trials with the same cache key: it is `cached`'s
-    entry) read them. Sequences no process saw (a resumed epoch, a dropped last batch) are computed then."""
+    """Hybrid features: the states the target computes online in the first epoch are written as they come, by
+    every process into state shards of its own of `shard_sequences` each (a shard counts once its rows list is
+    written: a kill loses at most the shard in flight on each process), and at the end of that epoch published
+    as the set's state store, where the later epochs (and other trials with the same cache key: it is `cached`'s
+    entry) read them. Sequences no closed shard holds (the shards in flight when an attempt was killed, a dropped
+    last batch) are computed then, each process a share."""
 
-    def __init__(self, sequences: Sequences, folder: Path, with_final: bool, run_id: str):
+    def __init__(self, sequences: Sequences, folder: Path, with_final: bool, run_id: str, shard_sequences: int):
         self.sequences, self.folder, self.with_final = sequences, Path(folder), with_final
+        self.shard_sequences = shard_sequences
         self.partial = self.folder.parent / f".{self.folder.name}.partial-{run_id}"  # this run's processes
         self.writer: StateWriter | None = None
-        self.seen: set[int] = set()
+        self.seen: set[int] | None = None  # rows written by this run's processes (any attempt), read on first use
 
     @property
     def published(self) -> bool:
@@ -159,48 +165,69 @@ class HybridStates:
     def record(self, batch: Batch) -> None:
         if self.published:
             return
+        if self.seen is None:  # a resumed attempt: what earlier attempts' closed shards hold is not written twice
+            self.seen = {i for _, rows in self._done() for i in rows}
         if self.writer is None:
             self.partial.mkdir(parents=True, exist_ok=True)
             self.writer = StateWriter(self.partial / f"{uuid.uuid4().hex}.arrow", self.with_final)
         self._write(self.writer, batch)
+        if len(self.writer.rows) >= self.shard_sequences:
+            self._close()
 
-    def publish(self, online: OnlineStates, device: torch.device, barrier, primary: bool, batch_size: int) -> None:
+    def _close(self) -> None:
+        rows = self.writer.close()  # its rows are written after it: a shard without them is not used
+        atomic_write_json(self.partial / f"{self.writer.path.name}.rows.json", rows)
+        self.writer = None
+
+    def publish(self, online: OnlineStates, device: torch.device, strategy, batch_size: int) -> None:
+        """Every process closes its shard, computes its share of what no closed shard holds, then rank 0 merges
+        the shards' row lists into the entry (under the entry's lock)."""
         if self.published:
             return
-        if self.writer is not None:  # its rows are written after it: a shard without them is not used
-            rows = self.writer.close()
-            atomic_write_json(self.partial / f"{self.writer.path.name}.rows.json", rows)
-            self.writer = None
-        barrier()
-        if primary:
-            self._publish(online, device, batch_size)
-        barrier()
+        if self.writer is not None:
+            self._close()
+        strategy.barrier()
+        covered = {i for _, rows in self._done() for i in rows}
+        missing = [i for i, row in enumerate(self.sequences.rows) if row not in covered]
+        if not is_complete(self.folder):  # (another trial published it first: nothing to compute)
+            share = missing[strategy.global_rank :: strategy.world_size]
+            self._compute(share, online, device, batch_size)
+        if missing and strategy.global_rank == 0:
+            log.info("hybrid: %d sequences no closed shard held, computed over %d processes", len(missing),
+                     strategy.world_size)  # fmt: skip
+        strategy.barrier()
+        if strategy.global_rank == 0:
+            self._publish(recomputed=len(missing))
+        strategy.barrier()
         self.sequences.states = StateStore(self.folder)
 
-    def _publish(self, online: OnlineStates, device: torch.device, batch_size: int) -> None:
+    def _compute(self, indices: list[int], online: OnlineStates, device: torch.device, batch_size: int) -> None:
+        if not indices:
+            return
+        self.partial.mkdir(parents=True, exist_ok=True)
+        data = FeatureDataset(self.sequences, indices, self.with_final, with_states=False)
+        self.writer = StateWriter(self.partial / f"rest-{uuid.uuid4().hex}.arrow", self.with_final)
+        for batch in DataLoader(data, batch_size=batch_size, collate_fn=collate):  # in the order a loader batches
+            self._write(self.writer, online(move(batch, device)))
+        self._close()
+
+    def _publish(self, recomputed: int) -> None:
         # Under the entry's lock, as `cached` preparation writes it: a whole entry is never replaced.
         with entry_lock(self.folder):
             if is_complete(self.folder):  # another trial published (or captured) it first: theirs stands
                 shutil.rmtree(self.partial, ignore_errors=True)
                 return
-            shards = [(p.name, json.loads((self.partial / f"{p.name}.rows.json").read_text())) for p in self._done()]
-            covered = {i for _, rows in shards for i in rows}
-            missing = [i for i, row in enumerate(self.sequences.rows) if row not in covered]
-            if missing:  # computed now, in the order a loader would batch them
-                data = FeatureDataset(self.sequences, missing, self.with_final, with_states=False)
-                with StateWriter(self.partial / "rest.arrow", self.with_final) as writer:
-                    for batch in DataLoader(data, batch_size=batch_size, collate_fn=collate):
-                        self._write(writer, online(move(batch, device)))
-                shards.append(("rest.arrow", [self.sequences.rows[i] for i in missing]))
+            shards = self._done()
             for stale in self.partial.glob(".*.tmp-*"):  # a killed attempt's unfinished shard
                 stale.unlink()
             for unused in {p.name for p in self.partial.glob("*.arrow")} - {name for name, _ in shards}:
                 (self.partial / unused).unlink()  # whole, but its rows list was never written
-            mark_complete(self.partial, state_shards_meta(shards, self.with_final))
+            mark_complete(self.partial, state_shards_meta(shards, self.with_final, recomputed=recomputed))
             shutil.rmtree(self.folder, ignore_errors=True)  # a killed capture's shards, if any
             os.replace(self.partial, self.folder)
 
     def _write(self, writer: StateWriter, batch: Batch) -> None:
+        self.seen = set() if self.seen is None else self.seen
         for b, i in enumerate(batch.index.tolist()):
             if i not in self.seen:  # validation repeats sequences; DDP processes may share a last batch
                 n = int(batch.seq_len[b])
@@ -208,8 +235,10 @@ class HybridStates:
                 writer.write(i, batch.aux[b, :n], batch.target_next[b, :n], final)
                 self.seen.add(i)
 
-    def _done(self) -> list[Path]:
-        return sorted(p for p in self.partial.glob("*.arrow") if (self.partial / f"{p.name}.rows.json").is_file())
+    def _done(self) -> list[tuple[str, list[int]]]:
+        """The closed shards of this run's processes and their rows, in a fixed order (every process reads one)."""
+        done = sorted(p for p in self.partial.glob("*.arrow") if (self.partial / f"{p.name}.rows.json").is_file())
+        return [(p.name, json.loads((self.partial / f"{p.name}.rows.json").read_text())) for p in done]
 
 
 def move(batch: Batch, device: torch.device) -> Batch:

@@ -233,6 +233,12 @@ class TrainConfig:
             raise ConfigError(f"train.step_decay must be in (0, 1], got {self.step_decay}")
         if self.max_steps == 0 or self.max_steps < -1:
             raise ConfigError(f"train.max_steps must be -1 (no limit) or > 0, got {self.max_steps}")
+        if str(self.precision) == "16-true":  # (measured: non-finite weights after step 1, every feature mode)
+            raise ConfigError(
+                "train.precision=16-true keeps the weights and AdamW's moments in float16, where its eps (1e-8) is 0 "
+                "and small squared gradients underflow: the first step makes the weights non-finite; use "
+                "train.precision=16-mixed (on a GPU), bf16-true or bf16-mixed"
+            )
 
 
 @dataclass

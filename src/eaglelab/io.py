@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import errno
 import fcntl
 import io
 import json
@@ -13,6 +14,7 @@ import stat
 import tempfile
 from pathlib import Path
 
+from eaglelab.errors import ConfigError
 from eaglelab.preemption import uninterruptible
 
 _UMASK = os.umask(0o022)
@@ -81,14 +83,77 @@ def write_csv(path: Path, rows: list[dict]) -> None:
     atomic_write_text(path, buf.getvalue())
 
 
+# Which lock a cache on this file system needs: a site fact (where the cache lives), not an experiment's, so an
+# environment variable and not a config key. `auto` reads the mount (below); `flock` and `lease` force one.
+LOCKS_ENV = "EAGLELAB_LOCKS"
+# A lease not renewed for this long is taken over (its holder renews it every third of it). Every node sharing the
+# cache must use the same value.
+LEASE_SECONDS_ENV = "EAGLELAB_LEASE_SECONDS"
+
+
+def _mount_of(path: Path, mountinfo: str | None = None) -> tuple[str, set[str]]:
+    """The file-system type and mount options (per-mount and super-block) of the mount holding `path`."""
+    best, found = "", ("", set())
+    target = os.path.realpath(path)
+    if mountinfo is None:
+        with contextlib.suppress(OSError), open("/proc/self/mountinfo") as f:
+            mountinfo = f.read()
+    for line in (mountinfo or "").splitlines():
+        left, right = line.split(" - ", 1)
+        point = left.split()[4].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            fstype, _, options = right.split()[:3]
+            best, found = point, (fstype, set(left.split()[5].split(",")) | set(options.split(",")))
+    return found
+
+
+def node_local_flock(path: Path, mountinfo: str | None = None) -> str | None:
+    """Why flock on `path` would not exclude other nodes, or None. flock is cluster-wide on local disks, NFS (by
+    default), GPFS and Lustre mounted with `flock`; it is node-local (or absent) on Lustre with `localflock` or
+    without `flock`, on NFS with `local_lock=flock|all`, and on BeeGFS unless its client enables global locks."""
+    fstype, options = _mount_of(path, mountinfo)
+    if fstype == "lustre" and "flock" not in options:
+        return f"lustre mounted with {'localflock' if 'localflock' in options else 'no flock option'}"
+    if fstype.startswith("nfs") and {"local_lock=flock", "local_lock=all"} & options:
+        return "nfs mounted with local_lock"
+    if fstype == "beegfs":
+        return "beegfs (flock is node-local unless tuneUseGlobalFileLocks)"
+    return None
+
+
+def lock_kind(path: Path) -> str:
+    kind = os.environ.get(LOCKS_ENV, "auto")
+    if kind not in ("auto", "flock", "lease"):
+        raise ConfigError(f"{LOCKS_ENV}={kind!r} is not a lock kind: set it to auto, flock or lease")
+    return kind if kind != "auto" else ("lease" if node_local_flock(path) else "flock")
+
+
 @contextlib.contextmanager
 def file_lock(path: Path):
-    """An exclusive inter-process lock (flock): concurrent trials prepare a cache entry once."""
+    """An exclusive inter-process, inter-node lock: concurrent trials prepare a cache entry once.
+
+    flock where it excludes every node; elsewhere (and wherever flock fails: ENOSYS, ENOLCK, EOPNOTSUPP) a lease
+    file, filelock's `SoftFileLease`: created atomically (O_EXCL), holding owner host, pid and a token, renewed by
+    a heartbeat thread; a waiter takes it over once its holder is a dead process on the same host, or after
+    the lease's duration without a renewal from another host."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    if lock_kind(path) == "flock":
+        with open(path, "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX)
+            except OSError as e:
+                if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
+                    raise
+            else:
+                try:
+                    yield
+                finally:
+                    fcntl.flock(f, fcntl.LOCK_UN)
+                return
+    from filelock import SoftFileLease
+
+    seconds = float(os.environ.get(LEASE_SECONDS_ENV, "30"))
+    with SoftFileLease(path.with_name(path.name + ".lease"), lease_duration=seconds):
+        yield

@@ -39,7 +39,7 @@ from eaglelab.export import TargetShape, load_checkpoint, save_drafter
 from eaglelab.io import atomic_write_text, write_csv
 from eaglelab.limits import as_disk_full, check_limits, measured_peaks
 from eaglelab.plots import plot_acceptance, plot_speedup
-from eaglelab.ranks import broadcast, is_primary, same_on_every_rank, trial_ranks
+from eaglelab.ranks import broadcast, gather, is_primary, same_on_every_rank, trial_ranks
 from eaglelab.ranks import current as current_ranks
 from eaglelab.rundir import RunRecord, adopt_trained_settings, begin_attempt, end_attempt
 from eaglelab.suites import SuiteInputs, check_suites, evaluate_suites, prepare_suites
@@ -216,6 +216,10 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
             )
         del online
         metrics.update(train_metrics)
+        # Each rank's host memory up to here (training is where every rank holds its share): what a node's --mem
+        # must hold is their sum.
+        by_rank = gather(measured_peaks()["memory/peak_rss_gb"])
+        metrics.update({f"memory/rank{r}_train_peak_rss_gb": gb for r, gb in enumerate(by_rank)})
     if not primary:
         return {}
     # The drafter's own cost (the target's shared embeddings are not counted): a second Optuna objective.
@@ -228,7 +232,8 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
     embed = drafter.embed_tokens.weight.data  # stays in the target's dtype, as in training and in vLLM:
     drafter.embed_tokens.weight.data = embed.new_empty(0)  # set aside, so .float() makes no copy of it
     drafter = drafter.float().to(target_device(cfg.train.accelerator))
-    drafter.embed_tokens.weight.data = embed.to(drafter.d2t.device)
+    # (A "-true" precision converted it with the module: 64-true's float64 rows would make every layer's input float64.)
+    drafter.embed_tokens.weight.data = embed.to(drafter.d2t.device, weights.embed.dtype)
     # 5. Evaluate on the held-out prompts: simulated, then in vLLM.
     record.evaluator = "simulated+vllm" if use_vllm else "simulated"
     with timer("evaluate"):

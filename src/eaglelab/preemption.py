@@ -59,6 +59,12 @@ def install() -> None:
         if current is not _handle:
             _previous[signum] = current
         signal.signal(signum, _handle)
+    # A USR2 that reached the job before submitit's handler existed (eaglelab/slurm_entry.py kept it): delivered
+    # now, so submitit checkpoints and requeues as for any other.
+    early = os.environ.pop("EAGLELAB_EARLY_SIGNAL", None)
+    if early is not None:
+        log.warning("%s arrived before submitit's handler was installed: delivering it now", early)
+        os.kill(os.getpid(), signal.Signals[early])
 
 
 def enter_stage(name: str) -> None:

@@ -147,13 +147,21 @@ def broadcast(value, src: int = 0):
     return box[0]
 
 
+def gather(value) -> list:
+    """Every rank's value (a picklable object), in rank order, on every rank; [value] in one process."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 def same_on_every_rank(value, what: str, fix: str) -> None:
     """Stop every rank with one clear error when the ranks do not hold the same `value` (e.g. the run directory,
     the data's cache key): they would otherwise train on different data, or write to different places."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
-    values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value, group=None)
+    values = gather(value)
     if any(v != values[0] for v in values):
         shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
         raise EaglelabError(f"the ranks of this trial disagree on {what} ({shown}); {fix}")

@@ -62,9 +62,9 @@ def train_drafter(
     with_final = cfg.train.loss == "kl"
     train_set = FeatureDataset(features, train_idx, with_final)
     val_set = FeatureDataset(features, val_idx, with_final, with_tail=True) if val_idx else None  # exact val τ
-    draft_ids, coverage = draft_vocab(
-        [features.item(i, with_states=False)["input_ids"] for i in train_idx],
-        [features.item(i, with_states=False)["prompt_len"] for i in train_idx],
+    draft_ids, coverage = draft_vocab(  # streamed: one sequence at a time, not an int64 copy of the set per rank
+        (features.item(i, with_states=False)["input_ids"] for i in train_idx),
+        (features.item(i, with_states=False)["prompt_len"] for i in train_idx),
         model_cfg.vocab_size,
         model_cfg.draft_vocab_size,
     )
@@ -78,7 +78,7 @@ def train_drafter(
     module.online = online
     if cfg.features.kind == "hybrid" and features.states is None:
         run_id = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]  # the same in every process
-        module.hybrid = HybridStates(features, features.states_dir, with_final, run_id)
+        module.hybrid = HybridStates(features, features.states_dir, with_final, run_id, cfg.data.shard_size)
     loader = ResumableLoader(
         train_set, collate_fn=collate, batch_sampler=EpochBatches(len(train_set), cfg.train.batch_size, cfg.train.seed)
     )
@@ -149,7 +149,7 @@ def readable_checkpoint(ckpt: Path) -> dict | None:
         return None
     try:
         with uninterruptible("checkpoint read"):  # an interrupt inside torch.load would read as a torn file
-            return torch.load(ckpt, map_location="cpu", weights_only=False)
+            return torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True)  # (pages, not a copy)
     except Exception as e:  # any unreadable checkpoint means: start training again
         log.warning("%s cannot be read (%s): training starts again", ckpt, type(e).__name__)
         return None

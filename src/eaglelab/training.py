@@ -125,9 +125,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(self, path, map_location="cpu", weights_only=None) -> dict:
         # To the host first, as Lightning's own default does: its strategy passes no map_location, and torch.load
         # would put every rank's copy on the device it was saved from (cuda:0, beside rank 0's target); Lightning
-        # then moves the state to each rank's own device.
+        # then moves the state to each rank's own device. Memory-mapped (copy-on-write): the ranks of a node read
+        # one copy's pages from the page cache instead of each holding the checkpoint in its own memory.
         with uninterruptible("checkpoint read"):  # torch.load reads through Python's file from C++ too
-            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            return torch.load(path, map_location=map_location, weights_only=bool(weights_only), mmap=True)
 
 
 class StopOnNonFinite(L.Callback):
@@ -168,8 +169,9 @@ class KeepBest(L.Callback):
         if trainer.sanity_checking or score is None or not float(score) > self.score:
             return
         self.score, self.epoch = float(score), trainer.current_epoch
-        state = pl_module.drafter.state_dict()
-        self.weights = {k: v.detach().cpu().clone() for k, v in state.items() if not k.startswith("embed_tokens")}
+        if trainer.is_global_zero:  # rank 0 exports and saves checkpoints: the others hold no host copy
+            state = pl_module.drafter.state_dict()
+            self.weights = {k: v.detach().cpu().clone() for k, v in state.items() if not k.startswith("embed_tokens")}
         self.metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
 
     def restore(self, pl_module) -> dict[str, float]:
@@ -228,10 +230,7 @@ class DrafterModule(L.LightningModule):
 
     def on_train_epoch_end(self) -> None:  # (Lightning 2 calls it after the epoch's validation)
         if self.hybrid is not None and not self.hybrid.published:
-            strategy = self.trainer.strategy
-            self.hybrid.publish(
-                self.online, self.device, strategy.barrier, self.trainer.is_global_zero, self.train_cfg.batch_size
-            )
+            self.hybrid.publish(self.online, self.device, self.trainer.strategy, self.train_cfg.batch_size)
         # Per-epoch wall time (logs/metrics.csv): what online features cost, and what hybrid's cache saves later.
         # Not for an epoch this attempt did not start (a resume may begin at its end); a resumed one logs its rest.
         if self._epoch_started is not None:

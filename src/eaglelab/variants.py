@@ -37,7 +37,8 @@ def variant_of(drafter: Mapping | object) -> str:
 
 def register_resolver() -> None:
     """The resolvers conf/ uses: `${eaglelab.variant:${drafter}}` (the schema's default `variant`) and
-    `${eaglelab.launch_stamp:${train.accelerator}}` (a run directory's time, one for all ranks: eaglelab.ranks).
+    `${eaglelab.launch_stamp:${train.accelerator}}` (a run directory's time, one for all ranks: eaglelab.ranks),
+    `${eaglelab.slurm_python:}` (the Slurm launcher's job command: eaglelab/slurm_entry.py).
     Registered when `eaglelab` is imported, so every process that resolves a config (a submitit or Slurm job too)
     has them."""
     try:
@@ -48,6 +49,18 @@ def register_resolver() -> None:
         OmegaConf.register_resolver("eaglelab.variant", variant_of)
     if not OmegaConf.has_resolver("eaglelab.launch_stamp"):
         OmegaConf.register_resolver("eaglelab.launch_stamp", _launch_stamp, use_cache=True)
+    if not OmegaConf.has_resolver("eaglelab.slurm_python"):
+        OmegaConf.register_resolver("eaglelab.slurm_python", _slurm_python)
+
+
+def _slurm_python() -> str:
+    """The Slurm launcher's `python`: this interpreter, through eaglelab/slurm_entry.py (USR2 from the first
+    instant of the job)."""
+    import shlex
+    import sys
+    from pathlib import Path
+
+    return f"{shlex.quote(sys.executable)} -u {shlex.quote(str(Path(__file__).with_name('slurm_entry.py')))}"
 
 
 def _launch_stamp(accelerator: str = "cpu") -> str:

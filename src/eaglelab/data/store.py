@@ -165,35 +165,58 @@ def remove_entry(folder: Path) -> None:
 
 
 class TokenStore:
-    """The token shards of one regeneration: every sequence's ids, prompt length and split."""
+    """The token shards of one regeneration: every sequence's ids, prompt length and split.
+
+    The shards are read in place (memory-mapped, zero-copy): every rank of a node reads the same pages from the page
+    cache instead of holding a copy of the whole set. Only the per-sequence columns (a few numbers each) are
+    gathered."""
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         self.meta = json.loads((self.folder / COMPLETE).read_text())  # also: stop_token_ids, tail_tokens
         files = [self.folder / shard_name(i) for i in range(self.meta["shards"])]
         tables = [pa.ipc.open_file(pa.memory_map(str(f))).read_all() for f in files]
-        self.table = pa.concat_tables(tables).combine_chunks() if tables else pa.table({}, schema=TOKENS)
-        ids, tail = self.table.column("input_ids").chunk(0), self.table.column("tail").chunk(0)
-        self._offsets = ids.offsets.to_numpy()  # [N + 1]: sequence i is values[offsets[i]:offsets[i+1]]
-        self._values = ids.values.to_numpy()
-        self._tail_offsets, self._tail_values = tail.offsets.to_numpy(), tail.values.to_numpy()
-        self.prompt_len = self.table.column("prompt_len").to_numpy()
-        self.max_tokens = self.table.column("max_tokens").to_numpy()
+        self._tables = tables or [pa.table({}, schema=TOKENS)]
+        # Per shard: (offsets [n + 1], values) of input_ids and of tail, views into the mapped file.
+        self._ids = [_list_arrays(t.column("input_ids")) for t in self._tables]
+        self._tails = [_list_arrays(t.column("tail")) for t in self._tables]
+        self._starts = np.cumsum([0] + [t.num_rows for t in self._tables])  # sequence i lives in shard k when
+        self.prompt_len = self._gather("prompt_len")  # _starts[k] <= i < _starts[k + 1]
+        self.max_tokens = self._gather("max_tokens")
+
+    def _gather(self, name: str) -> np.ndarray:
+        return np.concatenate([t.column(name).to_numpy() for t in self._tables])
+
+    def _where(self, i: int) -> tuple[int, int]:
+        k = int(np.searchsorted(self._starts, i, side="right")) - 1
+        return k, i - int(self._starts[k])
 
     def __len__(self) -> int:
-        return self.table.num_rows
+        return int(self._starts[-1])
 
     def input_ids(self, i: int) -> np.ndarray:
-        return self._values[self._offsets[i] : self._offsets[i + 1]]
+        k, j = self._where(i)
+        offsets, values = self._ids[k]
+        return values[offsets[j] : offsets[j + 1]]
 
     def tail(self, i: int) -> np.ndarray:
-        return self._tail_values[self._tail_offsets[i] : self._tail_offsets[i + 1]]
+        k, j = self._where(i)
+        offsets, values = self._tails[k]
+        return values[offsets[j] : offsets[j + 1]]
 
     def lengths(self) -> np.ndarray:
-        return np.diff(self._offsets)
+        return np.concatenate([np.diff(offsets) for offsets, _ in self._ids])
 
     def column(self, name: str) -> list:
-        return self.table.column(name).to_pylist()
+        return [v for t in self._tables for v in t.column(name).to_pylist()]
+
+
+def _list_arrays(column: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """A list column's (offsets, values) as numpy views (one chunk per shard file as written; more are combined)."""
+    array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+    if array.offset:  # (a sliced array: its offsets would not start at 0)
+        array = pa.concat_arrays([array])
+    return array.offsets.to_numpy(), array.values.to_numpy()
 
 
 class StateStore:

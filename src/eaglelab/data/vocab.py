@@ -6,13 +6,16 @@ the result is deterministic. Returned ascending, which is what vLLM's `d2t` offs
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 
 def draft_vocab(
-    sequences: list[torch.Tensor], prompt_lens: list[int], vocab_size: int, draft_vocab_size: int
+    sequences: Iterable[torch.Tensor], prompt_lens: Iterable[int], vocab_size: int, draft_vocab_size: int
 ) -> tuple[torch.Tensor, float]:
-    """-> (ascending target ids [V_draft], share of assistant tokens the draft vocab covers)."""
+    """-> (ascending target ids [V_draft], share of assistant tokens the draft vocab covers). `sequences` may be a
+    generator: one sequence at a time is held, not a copy of the training set per rank."""
     counts = torch.zeros(vocab_size, dtype=torch.long, device="cpu")
     for ids, p in zip(sequences, prompt_lens):
         counts += torch.bincount(ids[p:].long(), minlength=vocab_size)
