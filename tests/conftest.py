@@ -26,23 +26,25 @@ SLOW_MODULES = {
 
 
 # `make test` runs two pytest-xdist workers, each taking whole files in the order collected: the longest first
-# (seconds per file, measured with --durations=0 on the 2-core CI box, an Intel Xeon with AMX, 2026-12-03), so the
+# (seconds per file, measured with --durations=0 on a 2-core AMD EPYC box, 2026-12-03), so the
 # last file a worker starts is short.
 FILE_SECONDS = {
-    "test_launch": 291,
-    "test_vllm": 236,
-    "test_faults": 207,
-    "test_slurm": 160,
-    "test_sweeps": 136,
-    "test_smollm2": 110,
-    "test_results": 97,
-    "test_bad_input": 70,
-    "test_pipeline": 69,
-    "test_limits": 58,
-    "test_benchmarks": 39,
-    "test_data": 31,
-    "test_ranks": 15,
-    "test_locks": 12,
+    "test_launch": 284,
+    "test_faults": 218,
+    "test_vllm": 218,
+    "test_slurm": 210,  # (+ the second USR2's restart)
+    "test_sweeps": 173,
+    "test_results": 114,
+    "test_smollm2": 100,
+    "test_pipeline": 100,  # (+ 64-true)
+    "test_bad_input": 93,
+    "test_limits": 71,
+    "test_benchmarks": 53,
+    "test_data": 37,
+    "test_locks": 26,
+    "test_ranks": 20,
+    "test_suites": 13,
+    "test_gpu_check": 11,
 }
 
 

@@ -115,3 +115,50 @@ def test_an_unknown_lock_kind_is_one_line(monkeypatch, tmp_path):
     monkeypatch.setenv("EAGLELAB_LOCKS", "nfs")
     with pytest.raises(ConfigError, match="set it to auto, flock or lease"), file_lock(tmp_path / "x.lock"):
         pass
+
+
+def test_the_shards_of_an_entry_are_made_once_by_whoever_holds_them(tmp_path):
+    """`prepare._take_shards`, as two ranks run it at once (threads: flock excludes open files, not processes) on
+    an entry of 8 shards, one of which a third holder keeps locked and then drops unmade (it died): every shard is
+    made exactly once, each rank begins with its own share, and the dropped one is made by a rank that waited."""
+    import threading
+
+    from eaglelab.data.prepare import _take_shards
+    from eaglelab.data.store import shard_name
+    from eaglelab.io import file_lock
+
+    folder = tmp_path / "regen" / "key"
+    folder.mkdir(parents=True)
+    made: list[tuple[int, int]] = []  # (rank, shard), in order
+    done = lambda i: (folder / shard_name(i)).exists()  # noqa: E731
+
+    def make(rank, todo):
+        for i in todo:
+            time.sleep(0.05)
+            made.append((rank, i))
+            (folder / shard_name(i)).write_text("x")
+        return len(todo)
+
+    dropped = tmp_path / "locks" / f"regen-key-{shard_name(5)}.lock"
+    holding, release = threading.Event(), threading.Event()
+
+    def third():
+        with file_lock(dropped):
+            holding.set()
+            release.wait()
+
+    threading.Thread(target=third).start()
+    holding.wait()
+    ranks = [threading.Thread(target=lambda r=r: _take_shards(8, (r, 2), folder, lambda t: make(r, t)))
+             for r in (0, 1)]  # fmt: skip
+    for t in ranks:
+        t.start()
+    time.sleep(0.6)  # both ranks are through the free shards, one waits for shard 5
+    assert not done(5)
+    release.set()
+    for t in ranks:
+        t.join(timeout=30)
+    assert sorted(i for _, i in made) == list(range(8))  # each once
+    first = {r: next(i for rank, i in made if rank == r) for r in (0, 1)}
+    assert first == {0: 0, 1: 1}  # each rank's own share first
+    assert any(i == 5 for _, i in made[-2:])  # the dropped shard, made once its holder let go

@@ -22,16 +22,17 @@ from torch.utils.data import DataLoader, Dataset
 from eaglelab.acceptance import AcceptanceCounts, DepthAccuracy, SequenceCounts, simulate
 from eaglelab.data.capture import capture_states
 from eaglelab.data.store import (
+    COMPLETE,
     Sequences,
     StateStore,
     StateWriter,
     entry_lock,
     is_complete,
-    mark_complete,
+    shard_lock,
     state_shards_meta,
 )
 from eaglelab.drafter import Eagle3Drafter
-from eaglelab.io import atomic_write_json
+from eaglelab.io import atomic_write_json, file_lock
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +198,7 @@ class HybridStates:
                      strategy.world_size)  # fmt: skip
         strategy.barrier()
         if strategy.global_rank == 0:
-            self._publish(recomputed=len(missing))
+            self._publish(online, device, batch_size, recomputed=len(missing))
         strategy.barrier()
         self.sequences.states = StateStore(self.folder)
 
@@ -211,20 +212,32 @@ class HybridStates:
             self._write(self.writer, online(move(batch, device)))
         self._close()
 
-    def _publish(self, recomputed: int) -> None:
-        # Under the entry's lock, as `cached` preparation writes it: a whole entry is never replaced.
+    def _publish(self, online: OnlineStates, device: torch.device, batch_size: int, recomputed: int) -> None:
+        """Under the entry's lock, as a `cached` preparation completes it: a whole entry is never replaced. A
+        capture of the same entry may be writing its `shard-NNNNN` files into the folder meanwhile (another trial,
+        features=cached): this run's shards join them under their own names, complete.json lists only this run's,
+        and that capture stops once it sees the entry complete; shards no live capture holds are removed."""
         with entry_lock(self.folder):
             if is_complete(self.folder):  # another trial published (or captured) it first: theirs stands
                 shutil.rmtree(self.partial, ignore_errors=True)
                 return
+            # What no process's listing showed it (a shared file system's stale view): computed here, so the entry
+            # holds every sequence.
+            covered = {i for _, rows in self._done() for i in rows}
+            if late := [i for i, row in enumerate(self.sequences.rows) if row not in covered]:
+                self._compute(late, online, device, batch_size)
             shards = self._done()
-            for stale in self.partial.glob(".*.tmp-*"):  # a killed attempt's unfinished shard
-                stale.unlink()
-            for unused in {p.name for p in self.partial.glob("*.arrow")} - {name for name, _ in shards}:
-                (self.partial / unused).unlink()  # whole, but its rows list was never written
-            mark_complete(self.partial, state_shards_meta(shards, self.with_final, recomputed=recomputed))
-            shutil.rmtree(self.folder, ignore_errors=True)  # a killed capture's shards, if any
-            os.replace(self.partial, self.folder)
+            self.folder.mkdir(parents=True, exist_ok=True)
+            for name, _ in shards:
+                os.replace(self.partial / name, self.folder / name)
+            for leftover in self.folder.glob("shard-*.arrow"):  # a killed capture's, unless one is writing it
+                with file_lock(shard_lock(self.folder, leftover.name), wait=False) as free:
+                    if free:
+                        leftover.unlink()
+            sizes = {name: (self.folder / name).stat().st_size for name, _ in shards}
+            meta = state_shards_meta(shards, self.with_final, recomputed=recomputed + len(late))
+            atomic_write_json(self.folder / COMPLETE, {**meta, "shard_bytes": sizes})
+            shutil.rmtree(self.partial, ignore_errors=True)
 
     def _write(self, writer: StateWriter, batch: Batch) -> None:
         self.seen = set() if self.seen is None else self.seen

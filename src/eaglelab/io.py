@@ -6,6 +6,7 @@ import contextlib
 import csv
 import errno
 import fcntl
+import functools
 import io
 import json
 import os
@@ -126,34 +127,60 @@ def lock_kind(path: Path) -> str:
     kind = os.environ.get(LOCKS_ENV, "auto")
     if kind not in ("auto", "flock", "lease"):
         raise ConfigError(f"{LOCKS_ENV}={kind!r} is not a lock kind: set it to auto, flock or lease")
-    return kind if kind != "auto" else ("lease" if node_local_flock(path) else "flock")
+    return kind if kind != "auto" else ("lease" if _node_local_folder(str(Path(path).parent)) else "flock")
+
+
+@functools.lru_cache(maxsize=64)  # a folder's mount does not change during a run: mountinfo is read once per folder
+def _node_local_folder(folder: str) -> str | None:
+    return node_local_flock(Path(folder))
 
 
 @contextlib.contextmanager
-def file_lock(path: Path):
-    """An exclusive inter-process, inter-node lock: concurrent trials prepare a cache entry once.
+def file_lock(path: Path, wait: bool = True, leases: dict | None = None):
+    """An exclusive inter-process, inter-node lock: concurrent trials prepare a cache entry once. Yields True when
+    held; with `wait=False` it does not wait for another holder and yields False instead (holding nothing).
 
     flock where it excludes every node; elsewhere (and wherever flock fails: ENOSYS, ENOLCK, EOPNOTSUPP) a lease
     file, filelock's `SoftFileLease`: created atomically (O_EXCL), holding owner host, pid and a token, renewed by
     a heartbeat thread; a waiter takes it over once its holder is a dead process on the same host, or after
-    the lease's duration without a renewal from another host."""
+    the lease's duration without a renewal from another host. A lease measures that duration from when it first
+    saw the holder's claim: a caller polling many locks passes one `leases` dict across its attempts (one lease
+    per path), so a dead node's claims expire together rather than one after another."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if lock_kind(path) == "flock":
-        with open(path, "a") as f:
+        f = open(path, "a")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            yield False
+            return
+        except OSError as e:
+            f.close()
+            if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
+                raise
+        else:
             try:
-                fcntl.flock(f, fcntl.LOCK_EX)
-            except OSError as e:
-                if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP):
-                    raise
-            else:
-                try:
-                    yield
-                finally:
-                    fcntl.flock(f, fcntl.LOCK_UN)
-                return
-    from filelock import SoftFileLease
+                yield True
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+                f.close()
+            return
+    from filelock import SoftFileLease, Timeout
 
-    seconds = float(os.environ.get(LEASE_SECONDS_ENV, "30"))
-    with SoftFileLease(path.with_name(path.name + ".lease"), lease_duration=seconds):
-        yield
+    make = lambda: SoftFileLease(path.with_name(path.name + ".lease"), lease_duration=float(  # noqa: E731
+        os.environ.get(LEASE_SECONDS_ENV, "30")))  # fmt: skip
+    if leases is None:
+        lease = make()
+    else:
+        lease = leases.get(str(path)) or leases.setdefault(str(path), make())
+    try:
+        lease.acquire(timeout=-1 if wait else 0)
+    except Timeout:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        lease.release()

@@ -393,6 +393,7 @@ def prepare_data(
             with_final=cfg.train.loss == "kl",  # the KL teacher's state; CE needs none
             tail_tokens=tail_tokens(2 * cfg.train.ttt_steps),  # validation τ up to k = 2·ttt
             source="+".join(cfg.data.sources) + ("" if cfg.data.responses == "regenerate" else ":original"),
+            share=(current_ranks().rank, current_ranks().world_size),  # each rank regenerates its share of shards
             **asdict(capture),
         )
     if not evaluate:

@@ -6,6 +6,8 @@ import os
 import pickle
 import sys
 
+import torch.distributed as dist
+
 from eaglelab import preemption
 from eaglelab.errors import EaglelabError
 from eaglelab.pipeline import run
@@ -21,6 +23,10 @@ def main(config_file: str) -> None:
     except EaglelabError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    # Done: leave the trial's group before the interpreter's teardown does it, while rank 0 may still be evaluating.
+    # (Not after an error: a group whose peer is gone may not shut down cleanly; the process just exits.)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -31,4 +31,5 @@ if __name__ == "__main__":
     if len(args) < 2 or args[0] != "-m":
         sys.exit(f"usage: python -u {__file__} -u -m MODULE ARGS... (submitit's job command)")
     sys.argv = [args[1], *args[2:]]
+    sys.path[0] = os.getcwd()  # as `python -m` has it (run as a file, it was this folder: eaglelab's own modules)
     runpy.run_module(args[1], run_name="__main__", alter_sys=True)

@@ -28,6 +28,7 @@ from eaglelab.drafter import Eagle3Config, Eagle3Drafter
 from eaglelab.errors import TrainingError
 from eaglelab.io import atomic_file
 from eaglelab.preemption import uninterruptible
+from eaglelab.ranks import is_primary
 
 
 class EpochBatches(Sampler):
@@ -186,7 +187,10 @@ class KeepBest(L.Callback):
 
     def load_state_dict(self, state: dict) -> None:
         self.score, self.epoch = state["score"], state["epoch"]
-        self.weights, self.metrics = state["weights"], state["metrics"]
+        self.metrics = state["metrics"]
+        # Rank 0 keeps its own copy (the checkpoint is memory-mapped, and a later save replaces the file); the
+        # other ranks export nothing and keep none.
+        self.weights = {k: v.clone() for k, v in state["weights"].items()} if is_primary() else {}
 
 
 # --- the module --------------------------------------------------------------------------------

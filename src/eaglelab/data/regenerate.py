@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import socket
 from pathlib import Path
 from typing import NamedTuple
 
@@ -174,7 +176,7 @@ def generate_vllm(
                 "max_model_len": max_length,
                 "engines": len(todo),  # the progress bar counts shards
             },
-            Path(workdir),
+            Path(workdir) / f"engine-{socket.gethostname()}-{os.getpid()}",  # its job and log files: this process's
             desc="regenerate (vLLM)",
         )
     return {i: [tuple(rt) for rt in json.loads((out_dir / f"{i}.json").read_text())] for i in shards}, result["seconds"]

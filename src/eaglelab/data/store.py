@@ -151,6 +151,12 @@ def entry_lock(folder: Path):
     return file_lock(folder.parent.parent / "locks" / f"{folder.parent.name}-{folder.name}.lock")
 
 
+def shard_lock(folder: Path, shard_file: str) -> Path:
+    """The lock the maker of one shard of an entry holds: `<cache>/locks/<kind>-<key>-<shard file>.lock`."""
+    folder = Path(folder)
+    return folder.parent.parent / "locks" / f"{folder.parent.name}-{folder.name}-{shard_file}.lock"
+
+
 # --- reading ----------------------------------------------------------------------------------------
 @lru_cache(maxsize=64)  # open readers (footer parsed once); bounded: thousands of shards at 10^8 tokens
 def _state_reader(path: str) -> pa.ipc.RecordBatchFileReader:
