@@ -45,3 +45,15 @@ def test_attention_memory_at_its_smallest(tmp_path):
     assert rows.keys() == {"explicit", "fused", "checkpointed"} and all(r["peak_gb"] > 0 for r in rows.values())
     assert rows["fused"]["max_logit_gap"] < 1e-4 and rows["checkpointed"]["estimate_gb"] < rows["fused"]["estimate_gb"]
     assert "explicit / fused peak" in proc.stdout
+
+
+def test_rank_memory_at_its_smallest(tmp_path):
+    """What a rank holds privately: the token shards read in place hold none of the data (the page cache does),
+    the copy all of it; the draft vocabulary streamed holds none, the int64 list twice the int32 data."""
+    out = tmp_path / "rank_memory.json"
+    proc = bench("rank_memory.py", "--tokens", "16000000", "--json", out)
+    held = {r["case"]: r["held_gb"] for r in json.loads(out.read_text())["measured"]}
+    data = 16e6 * 4 / 2**30
+    assert held["token store, copied"] - held["token store, read in place"] > 0.6 * data, held
+    assert held["draft vocab, listed"] - held["draft vocab, streamed"] > 1.5 * data, held
+    assert "8 ranks in all" in proc.stdout

@@ -236,6 +236,41 @@ def test_hybrid_states_survive_a_killed_first_epoch(tiny, tmp_path):
     assert stats.capture_cached  # cached's entry is the one hybrid published
 
 
+def test_hybrid_publishing_beside_a_live_capture_keeps_its_shard(tiny, tmp_path):
+    """A cached trial captures the same entry while a hybrid run publishes it (the capture holds only its shard's
+    lock, not the entry's): the published entry lists the hybrid run's shards, the shard the capture is writing
+    (its lock held) stays where it is, and a killed capture's leftover (its lock free) is removed."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import DataLoader
+
+    from eaglelab.batches import FeatureDataset, HybridStates, OnlineStates, collate
+    from eaglelab.data.store import shard_lock, shard_name
+    from eaglelab.io import file_lock
+
+    prompts = mix_sources(["stdlib_docstrings"], 4, seed=5)
+    kw = dict(name="t", aux_layer_ids=[2, 4, 5], system_prompt=None, max_new_tokens=8, max_length=512, batch_size=4)
+    seqs, _ = prepare_features(tiny, prompts, cache_dir=tmp_path, features="hybrid", **kw)
+    online = OnlineStates(tiny.model, [2, 4, 5], with_final=False)
+    hybrid = HybridStates(seqs, seqs.states_dir, False, run_id="h", shard_sequences=8)
+    for batch in DataLoader(FeatureDataset(seqs, range(len(seqs)), False), batch_size=2, collate_fn=collate):
+        hybrid.record(online(batch))
+    seqs.states_dir.mkdir(parents=True)
+    live, leftover = (seqs.states_dir / shard_name(i) for i in (0, 1))
+    live.write_bytes(b"being written")
+    leftover.write_bytes(b"a killed capture's")
+    with file_lock(shard_lock(seqs.states_dir, live.name)):  # the capture, mid-shard
+        hybrid.publish(
+            online, torch.device("cpu"), SimpleNamespace(barrier=lambda: None, global_rank=0, world_size=1), 2
+        )
+    meta = json.loads((seqs.states_dir / "complete.json").read_text())
+    assert live.exists() and not leftover.exists()
+    assert [s["file"] for s in meta["shards"]] == list(meta["shard_bytes"]) and live.name not in meta["shard_bytes"]
+    assert sorted(r for s in meta["shards"] for r in s["rows"]) == list(range(len(seqs)))
+    assert torch.equal(seqs.states.read(0)["target_next"], online(next(iter(DataLoader(
+        FeatureDataset(seqs, [0], False), batch_size=1, collate_fn=collate)))).target_next[0])  # fmt: skip
+
+
 def _conversations(path, rows) -> str:
     path.write_text("".join(json.dumps({"messages": r}) + "\n" for r in rows))
     return f"jsonl:{path}"
