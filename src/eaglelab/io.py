@@ -174,7 +174,9 @@ def file_lock(path: Path, wait: bool = True, leases: dict | None = None):
     if leases is None:
         lease = make()
     else:
-        lease = leases.get(str(path)) or leases.setdefault(str(path), make())
+        if str(path) not in leases:
+            leases[str(path)] = make()
+        lease = leases[str(path)]
     try:
         lease.acquire(timeout=-1 if wait else 0)
     except Timeout:
