@@ -188,8 +188,7 @@ class HybridStates:
         if self.writer is not None:
             self._close()
         strategy.barrier()
-        covered = {i for _, rows in self._done() for i in rows}
-        missing = [i for i, row in enumerate(self.sequences.rows) if row not in covered]
+        missing = self._missing()
         if not is_complete(self.folder):  # (another trial published it first: nothing to compute)
             share = missing[strategy.global_rank :: strategy.world_size]
             self._compute(share, online, device, batch_size)
@@ -223,8 +222,7 @@ class HybridStates:
                 return
             # What no process's listing showed it (a shared file system's stale view): computed here, so the entry
             # holds every sequence.
-            covered = {i for _, rows in self._done() for i in rows}
-            if late := [i for i, row in enumerate(self.sequences.rows) if row not in covered]:
+            if late := self._missing():
                 self._compute(late, online, device, batch_size)
             shards = self._done()
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -247,6 +245,11 @@ class HybridStates:
                 final = batch.final[b, :n] if self.with_final else None
                 writer.write(i, batch.aux[b, :n], batch.target_next[b, :n], final)
                 self.seen.add(i)
+
+    def _missing(self) -> list[int]:
+        """The sequences (indices into `sequences`) that no closed shard of this run holds."""
+        covered = {i for _, rows in self._done() for i in rows}
+        return [i for i, row in enumerate(self.sequences.rows) if row not in covered]
 
     def _done(self) -> list[tuple[str, list[int]]]:
         """The closed shards of this run's processes and their rows, in a fixed order (every process reads one)."""

@@ -138,9 +138,14 @@ def establish(env, ranks: Ranks, accelerator: str = "cpu") -> None:
     rank_zero_only.rank = ranks.rank
 
 
+def _several() -> bool:
+    """A process group of more than one process is joined."""
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
 def broadcast(value, src: int = 0):
     """Rank `src`'s value on every rank (a picklable object); the value itself in one process."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if not _several():
         return value
     box = [value]
     dist.broadcast_object_list(box, src=src, device=_object_device(dist.get_backend()))
@@ -149,7 +154,7 @@ def broadcast(value, src: int = 0):
 
 def gather(value) -> list:
     """Every rank's value (a picklable object), in rank order, on every rank; [value] in one process."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if not _several():
         return [value]
     values = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
@@ -159,7 +164,7 @@ def gather(value) -> list:
 def same_on_every_rank(value, what: str, fix: str) -> None:
     """Stop every rank with one clear error when the ranks do not hold the same `value` (e.g. the run directory,
     the data's cache key): they would otherwise train on different data, or write to different places."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if not _several():
         return
     values = gather(value)
     if any(v != values[0] for v in values):

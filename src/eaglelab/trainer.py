@@ -64,7 +64,7 @@ def train_drafter(
     val_set = FeatureDataset(features, val_idx, with_final, with_tail=True) if val_idx else None  # exact val τ
     draft_ids, coverage = draft_vocab(  # streamed: one sequence at a time, not an int64 copy of the set per rank
         (features.item(i, with_states=False)["input_ids"] for i in train_idx),
-        (features.item(i, with_states=False)["prompt_len"] for i in train_idx),
+        (int(features.tokens.prompt_len[features.rows[i]]) for i in train_idx),  # (not item() a second time)
         model_cfg.vocab_size,
         model_cfg.draft_vocab_size,
     )

@@ -147,14 +147,15 @@ def damaged(folder: Path) -> str | None:
 
 def entry_lock(folder: Path):
     """The lock every writer of a cache entry (`<cache>/<kind>/<key>`) holds: `<cache>/locks/<kind>-<key>.lock`."""
-    folder = Path(folder)
-    return file_lock(folder.parent.parent / "locks" / f"{folder.parent.name}-{folder.name}.lock")
+    return file_lock(shard_lock(folder))
 
 
-def shard_lock(folder: Path, shard_file: str) -> Path:
-    """The lock the maker of one shard of an entry holds: `<cache>/locks/<kind>-<key>-<shard file>.lock`."""
+def shard_lock(folder: Path, shard_file: str | None = None) -> Path:
+    """The lock file of a cache entry, or of one of its shards (held by that shard's maker):
+    `<cache>/locks/<kind>-<key>[-<shard file>].lock`."""
     folder = Path(folder)
-    return folder.parent.parent / "locks" / f"{folder.parent.name}-{folder.name}-{shard_file}.lock"
+    name = f"{folder.parent.name}-{folder.name}" + (f"-{shard_file}" if shard_file else "")
+    return folder.parent.parent / "locks" / f"{name}.lock"
 
 
 # --- reading ----------------------------------------------------------------------------------------
