@@ -32,7 +32,7 @@ FILE_SECONDS = {
     "test_launch": 284,
     "test_faults": 218,
     "test_vllm": 218,
-    "test_slurm": 210,  # (+ the second USR2's restart)
+    "test_slurm": 265,  # (+ the 2-node DDP trial, uninterrupted and preempted)
     "test_sweeps": 173,
     "test_results": 114,
     "test_smollm2": 100,

@@ -1,7 +1,8 @@
-"""Against a real single-node Slurm that this module starts and stops (slurm/dev-cluster/): a grid through
-`hydra/launcher=slurm`, a trial on two Slurm tasks (DDP), an Optuna sweep with 2 trials at a time, a trial
-preempted (USR2, as Slurm signals it) that submitit requeues and that resumes to the uninterrupted result, and a
-wrong partition refused before anything is queued. Needs root (the daemons) and the Debian packages
+"""Against a real Slurm that this module starts and stops (slurm/dev-cluster/, NODES=2: this machine's node, and
+n1, n2 each in network and UTS namespaces of its own): a grid through `hydra/launcher=slurm`, a trial on two Slurm
+tasks of one node (DDP), an Optuna sweep with 2 trials at a time, a DDP trial across two nodes preempted (USR2, as
+Slurm signals it) that submitit requeues and that resumes to the uninterrupted 2-node result, and a wrong partition
+refused before anything is queued. Needs root (the daemons) and the Debian packages
 scripts/setup.sh installs."""
 
 import json
@@ -49,7 +50,7 @@ def slurm():
     # munged wants every folder above its socket world-searchable: not pytest's 700 tmp folders.
     root = Path(tempfile.mkdtemp(prefix="eaglelab-slurm-"))
     root.chmod(0o755)
-    env = {**os.environ, "SLURM_TEST_ROOT": str(root), "SMOKE": "0"}
+    env = {**os.environ, "SLURM_TEST_ROOT": str(root), "SMOKE": "0", "NODES": "2"}
     started = subprocess.run(["bash", str(CLUSTER / "start.sh")], env=env, capture_output=True, text=True, timeout=300)
     assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
     old = os.environ.get("SLURM_CONF")
@@ -155,11 +156,13 @@ def test_optuna_sweep_with_two_parallel_jobs(slurm, cache_dir, tmp_path):
     assert any(max(s for s, _ in p) < min(e for _, e in p) for p in pairs)  # overlapping in time
 
 
-def _process_catching_usr2(name: str, sweeper: subprocess.Popen, timeout: float = 300) -> int:
-    """The pid of the (single-node Slurm's) Python process running the file `name`, once it catches SIGUSR2
-    (bit 12 of /proc/PID/status's SigCgt). srun's command line names the file too: only a python's counts."""
+def _processes_catching_usr2(name: str, count: int, sweeper: subprocess.Popen, timeout: float = 300) -> list[int]:
+    """The pids of the `count` Python processes running the file `name` (one per Slurm task), once each catches
+    SIGUSR2 (bit 12 of /proc/PID/status's SigCgt). srun's command line names the file too: only a python's
+    counts. (Every node's processes are in this machine's /proc: the nodes differ in network and hostname only.)"""
     deadline = time.time() + timeout
     while time.time() < deadline and sweeper.poll() is None:
+        caught = []
         for proc in Path("/proc").iterdir():
             try:
                 argv = (proc / "cmdline").read_bytes().split(b"\0") if proc.name.isdigit() else []
@@ -169,56 +172,81 @@ def _process_catching_usr2(name: str, sweeper: subprocess.Popen, timeout: float 
                     and argv[2].endswith(name.encode())
                 ):
                     status = (proc / "status").read_text().splitlines()
-                    caught = int(next(line for line in status if line.startswith("SigCgt")).split()[1], 16)
-                    if caught & (1 << (signal.SIGUSR2 - 1)):
-                        return int(proc.name)
+                    mask = int(next(line for line in status if line.startswith("SigCgt")).split()[1], 16)
+                    if mask & (1 << (signal.SIGUSR2 - 1)):
+                        caught.append(int(proc.name))
             except (OSError, StopIteration):
                 continue
+        if len(caught) >= count:
+            return caught
         time.sleep(0.002)
-    raise AssertionError(f"no Python process running {name} caught SIGUSR2")
+    raise AssertionError(f"fewer than {count} Python processes running {name} caught SIGUSR2")
 
 
-def test_preempted_trial_is_requeued_and_resumes_to_the_same_result(slurm, cache_dir, tmp_path):
-    """USR2 mid-training: submitit checkpoints (Hydra's launcher resubmits the same trial), requeues the job,
-    the job starts again in the same run directory and resumes from lightning/last.ckpt. USR2 again at that job's
-    first instant, before submitit's handler exists: kept, delivered to it, requeued once more."""
-    overrides = ["train.num_threads=1"]
-    reference = tmp_path / "reference"
-    preemption.run_to_end(reference, cache_dir, overrides)
-    sweep = tmp_path / "preempted"
-    cmd = [
-        sys.executable,
-        str(ROOT / "src" / "run.py"),
-        "-m",
-        *preemption.BASE,
-        *overrides,
-        *SLURM,
-        f"hydra.sweep.dir={sweep}",
-    ]
+# One DDP trial across the two namespace nodes (start.sh's NODES=2): a task on each, gloo between them.
+TWO_NODES = [
+    *SLURM,
+    "hydra.launcher.partition=nodes",
+    "train.num_nodes=2",
+    "train.devices=1",
+    "train.strategy=ddp",
+    "train.batch_size=2",  # per rank: the global batch of preemption.BASE's one process
+    "train.num_threads=1",
+    "train.epochs=2",  # 10 steps, a checkpoint after each
+]
+
+
+def _sweep(sweep: Path, cache_dir: Path, extra: list[str] = ()) -> subprocess.Popen:
+    cmd = [sys.executable, str(ROOT / "src" / "run.py"), "-m", *preemption.BASE, *TWO_NODES, *extra]
     env = {**os.environ, "EAGLELAB_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1"}
-    sweeper = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 600
-    ckpt = None
+    return subprocess.Popen(
+        [*cmd, f"hydra.sweep.dir={sweep}"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def test_two_node_trial_preempted_requeued_resumes_to_the_uninterrupted_result(slurm, cache_dir, tmp_path):
+    """A trial with `nodes=2` through `hydra/launcher=slurm`: DDP across two Slurm nodes (their own addresses and
+    hostnames), once uninterrupted and once preempted. USR2 mid-training: rank 0's submitit checkpoints and
+    requeues the job, the job starts again on both nodes in the same run directory and resumes from
+    lightning/last.ckpt. USR2 again at the requeued job's first instant, before submitit's handler exists in
+    either task: kept, delivered, requeued once more. The result is the uninterrupted run's, bit for bit."""
+    t0 = time.time()
+    reference = _sweep(tmp_path / "reference", cache_dir)
+    out, err = reference.communicate(timeout=900)
+    assert reference.returncode == 0, err[-3000:]
+    uninterrupted_s = time.time() - t0
+    (ref_dir,) = [p for p in (tmp_path / "reference").iterdir() if p.is_dir() and not p.name.startswith(".")]
+    logs = "".join(p.read_text() for p in (tmp_path / "reference").glob(".submitit/**/*_log.*"))
+    # One task on each node, each its own host: global ranks 0 and 1, rank 0 alone writes results.
+    hosts = subprocess.run(["sacct", "-n", "-P", "-o", "JobName,NodeList"], capture_output=True, text=True).stdout
+    assert "n[1-2]" in hosts, hosts
+    assert logs.count("stage: train") == 2 and logs.count("stage: export") == 1, logs[-3000:]
+
+    sweep = tmp_path / "preempted"
+    sweeper = _sweep(sweep, cache_dir)
+    deadline, ckpt = time.time() + 600, None
     while time.time() < deadline and sweeper.poll() is None:
         found = list(sweep.glob("*/lightning/last.ckpt"))
-        if found and preemption.checkpoint_step(found[0]) >= 6:
+        if found and preemption.checkpoint_step(found[0]) >= 3:  # mid-epoch 1 (of 5 steps)
             ckpt = found[0]
             break
         time.sleep(0.1)
-    assert ckpt is not None, "the trial never reached step 6"
+    assert ckpt is not None, "the trial never reached step 3"
     job_id = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, check=True).stdout.split()[0]
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
     faults.start_requeued_now(job_id, sweeper)  # (Slurm would hold the requeued job ~2 min first)
-    # The requeued job is signalled again at its very start: its interpreter already runs eaglelab/slurm_entry.py
-    # (USR2 caught) but submitit has not installed its handler yet. Without the entry, the task died of it here.
-    entry = _process_catching_usr2("slurm_entry.py", sweeper)
+    # The requeued job is signalled again at its very start: both tasks' interpreters already run
+    # eaglelab/slurm_entry.py (USR2 caught) but submitit has not installed its handler yet.
+    entries = _processes_catching_usr2("slurm_entry.py", 2, sweeper)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
     faults.start_requeued_now(job_id, sweeper)
     out, err = sweeper.communicate(timeout=900)
     assert sweeper.returncode == 0, err[-3000:]
+    print(f"\n2-node trial: uninterrupted {uninterrupted_s:.0f} s; preempted twice, requeued and resumed "
+          f"{time.time() - t0 - uninterrupted_s:.0f} s")  # fmt: skip
     run_dir = ckpt.parent.parent
     logs = "".join(p.read_text() for p in sweep.glob(".submitit/**/*_log.*"))  # (.out and .err)
-    assert "SIGUSR2 before submitit's handler" in logs, (entry, logs[-3000:])
+    assert logs.count("SIGUSR2 before submitit's handler") >= 2, (entries, logs[-3000:])  # (one per task)
     assert "SIGUSR2 arrived before submitit's handler was installed: delivering it now" in logs
     info = json.loads((run_dir / "run.json").read_text())
     assert info["status"] == "complete" and info["attempt"] == 2  # (the early USR2 came before any attempt began)
@@ -226,10 +254,10 @@ def test_preempted_trial_is_requeued_and_resumes_to_the_same_result(slurm, cache
     assert info["earlier"][0]["status"] == "interrupted"
     assert info["earlier"][0]["signal"]["name"] == "SIGUSR2" and info["earlier"][0]["signal"]["stage"] == "train"
     restarts = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
-    assert "Restarts=2" in restarts, restarts  # Slurm requeued the same job, twice (submitit's doing)
-    a, b = load_file(run_dir / "drafter" / "model.safetensors"), load_file(reference / "drafter" / "model.safetensors")
+    assert "Restarts=2" in restarts and "NodeList=n[1-2]" in restarts, restarts  # the same job, on both nodes
+    a, b = load_file(run_dir / "drafter" / "model.safetensors"), load_file(ref_dir / "drafter" / "model.safetensors")
     assert all((a[k] == b[k]).all() for k in a)
-    weights, metrics, differ = preemption.compare(run_dir, reference)
+    weights, metrics, differ = preemption.compare(run_dir, ref_dir)
     assert weights and metrics, differ
 
 
@@ -250,6 +278,6 @@ def test_unknown_partition_is_refused_before_submission(slurm, cache_dir, tmp_pa
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
-        "error: Slurm partition 'nope' does not exist; set hydra.launcher.partition to one of: debug"
+        "error: Slurm partition 'nope' does not exist; set hydra.launcher.partition to one of: debug, nodes"
     )
     assert len(_sacct("JobID")) == before and not (tmp_path / "sweep" / ".submitit").exists()

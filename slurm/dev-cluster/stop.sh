@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Stop the daemons started by start.sh, by the PIDs in their pidfiles (checking the
-# process name first). `--purge` also deletes state, logs, MariaDB data and the munge key.
+# process name first), and remove its namespace nodes' network. `--purge` also deletes state,
+# logs, MariaDB data and the munge key.
 set -uo pipefail
 ROOT=${SLURM_TEST_ROOT:-${TMPDIR:-/tmp}/eaglelab-slurm}
 export SLURM_CONF=$ROOT/slurm.conf
@@ -34,7 +35,13 @@ if [ -f "$SLURM_CONF" ] && scontrol ping 2>/dev/null | grep -q UP; then
     for ((i = 0; i < 75; i++)); do [ -z "$(squeue -h 2>/dev/null)" ] && break; sleep 0.2; done
   fi
 fi
-stop_group "$ROOT/run/slurmd.pid:slurmd" "$ROOT/run/slurmctld.pid:slurmctld" "$ROOT/run/slurmdbd.pid:slurmdbd"
+slurmds=(); for pf in "$ROOT"/run/slurmd-*.pid; do [ -e "$pf" ] && slurmds+=("$pf:slurmd"); done
+stop_group "${slurmds[@]}" "$ROOT/run/slurmctld.pid:slurmctld" "$ROOT/run/slurmdbd.pid:slurmdbd"
+# start.sh's NODES: their network namespaces (and veths) and the bridge
+if command -v ip >/dev/null; then
+  for ns in $(ip netns list 2>/dev/null | awk '$1 ~ /^eaglelab-n[0-9]+$/ {print $1}'); do ip netns del "$ns"; done
+  ip link show eaglelab-br0 >/dev/null 2>&1 && ip link del eaglelab-br0
+fi
 stop_group "$ROOT/mysql/mariadbd.pid:mariadbd" "$ROOT/munge/run/munged.pid:munged"
 if [ "${1:-}" = --purge ]; then
   rm -rf "$ROOT/state" "$ROOT/run" "$ROOT/log" "$ROOT/mysql" "$ROOT/munge" "$ROOT/slurmdbd.conf"

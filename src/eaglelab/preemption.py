@@ -67,6 +67,16 @@ def install() -> None:
         os.kill(os.getpid(), signal.Signals[early])
 
 
+def reclaim() -> None:
+    """This module's handlers back in place of whatever replaced them since `install()` (Lightning's, in fit):
+    one owner of signals. Lightning's SIGTERM handler runs a collective (a broadcast from rank 0) inside the
+    handler; under DDP, rank 0 interrupted while the other ranks wait in another collective then waits forever,
+    until the scheduler's SIGKILL, and its attempt is never recorded. The handlers it replaced (`_previous`:
+    submitit's) are kept."""
+    for signum in SIGNALS:
+        signal.signal(signum, _handle)
+
+
 def enter_stage(name: str) -> None:
     """The pipeline stage now running (what a signal's record names)."""
     global _stage

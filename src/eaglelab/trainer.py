@@ -28,6 +28,7 @@ from eaglelab.training import (
     EpochBatches,
     FlushLogsWithCheckpoints,
     KeepBest,
+    OneSignalOwner,
     ResumableLoader,
     StopOnNonFinite,
 )
@@ -233,6 +234,7 @@ def make_trainer(cfg: RunConfig, run_dir: Path, loggers: list | bool, extra_call
             ),
             FlushLogsWithCheckpoints(),
             StopOnNonFinite(),
+            OneSignalOwner(),
             *(extra_callbacks or []),
         ],
         enable_model_summary=False,

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch.utils.data import DataLoader, Sampler
 
+from eaglelab import preemption
 from eaglelab.acceptance import AcceptanceCounts
 from eaglelab.batches import Batch, HybridStates, OnlineStates, acceptance_counts, shift
 from eaglelab.config import TrainConfig
@@ -110,6 +111,14 @@ class FlushLogsWithCheckpoints(L.Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         for logger in trainer.loggers:
             logger.save()
+
+
+class OneSignalOwner(L.Callback):
+    """Signals stay eaglelab.preemption's in training: Lightning installs its own SIGTERM handler when fit starts,
+    and that one runs a DDP collective inside the handler (`preemption.reclaim`)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        preemption.reclaim()
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
