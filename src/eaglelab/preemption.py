@@ -72,7 +72,9 @@ def reclaim() -> None:
     one owner of signals. Lightning's SIGTERM handler runs a collective (a broadcast from rank 0) inside the
     handler; under DDP, rank 0 interrupted while the other ranks wait in another collective then waits forever,
     until the scheduler's SIGKILL, and its attempt is never recorded. The handlers it replaced (`_previous`:
-    submitit's) are kept."""
+    submitit's) are kept. Nothing happens where `install()` was not called (training used as a library)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not _handle:
+        return
     for signum in SIGNALS:
         signal.signal(signum, _handle)
 
