@@ -82,7 +82,7 @@ def rehearse(args) -> dict:
     L = s["layers"]
     # vLLM's default aux ids, as Target.default_aux_layer_ids: the distinct ones of (2, L/2, L-3) in 1..L-1, sorted
     aux_ids = sorted({i for i in (2, L // 2, L - 3) if 1 <= i <= L - 1})
-    train_cfg = TrainConfig()
+    train_cfg = TrainConfig(precision="bf16-mixed")  # (as an 8B target's users train, whatever the CPU running it)
     cfg = Eagle3Config.for_target(
         DrafterFlags(),
         target.config,

@@ -189,7 +189,9 @@ def test_a_target_too_large_for_memory_is_refused_before_its_weights_are_read(ca
     big = tmp_path / "llama-70b"
     big.mkdir()
     (big / "config.json").write_text(json.dumps(LLAMA_70B))
-    proc = run_cli([*SMOKE, "target=hf", f"target.name_or_path={big}"], cache_dir, tmp_path / "results")
+    proc = run_cli(
+        [*SMOKE, "target=hf", f"target.name_or_path={big}", "target.dtype=bfloat16"], cache_dir, tmp_path / "results"
+    )
     line = error_line(proc.returncode, proc.stderr)
     assert "70.6 B parameters, 141.1 GB in bfloat16) does not fit cpu (" in line
     assert "GB free" in line and "a smaller target" in line

@@ -91,6 +91,38 @@ def test_defaults_and_smoke_experiment(tmp_path):
         assert compose([f"features={kind}"], tmp_path, tmp_path / "r").features.kind == kind
 
 
+@pytest.mark.parametrize(
+    "flags,cuda,accelerator,resolved",
+    [
+        ("fpu avx2 fma", None, "cpu", ("float32", "32-true")),  # an AVX2-only CPU (Zen 3): bf16 is emulated there
+        ("fpu avx2 avx512f avx512_bf16", None, "cpu", ("bfloat16", "bf16-mixed")),  # Zen 4
+        ("fpu avx2 avx512f amx_bf16 amx_tile", None, "cpu", ("bfloat16", "bf16-mixed")),  # Sapphire Rapids
+        ("fpu avx2", "ampere", "gpu", ("bfloat16", "bf16-mixed")),
+        ("fpu avx2", "volta", "gpu", ("float16", "16-mixed")),
+        ("fpu avx2", "ampere", "auto", ("bfloat16", "bf16-mixed")),
+        ("fpu avx2 avx512_bf16", None, "auto", ("bfloat16", "bf16-mixed")),
+    ],
+)
+def test_auto_precision_is_what_the_machine_computes_fast(flags, cuda, accelerator, resolved, tmp_path, monkeypatch):
+    """The defaults (target.dtype and train.precision `auto`) resolve at composition from the CPU's flags and the
+    GPU's bfloat16 support. The CPU's /proc/cpuinfo and torch's CUDA queries are substituted (no such machines
+    here); the file-reading query itself is tested on a written cpuinfo."""
+    import torch
+
+    import eaglelab.devices
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+    real = eaglelab.devices.native_bf16_cpu
+    monkeypatch.setattr(eaglelab.devices, "native_bf16_cpu", lambda: real(str(cpuinfo)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda is not None)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: cuda == "ampere")
+    cfg = compose([f"train.accelerator={accelerator}"], tmp_path, tmp_path / "r")
+    assert (cfg.target.dtype, cfg.train.precision) == resolved
+    explicit = compose(["train.precision=bf16-mixed", "target.dtype=bfloat16"], tmp_path, tmp_path / "r")
+    assert (explicit.target.dtype, explicit.train.precision) == ("bfloat16", "bf16-mixed")  # asked for: kept
+
+
 def test_vllm_measures_k_1_ttt_and_max_k_unless_asked_for_every_k_or_named_ks(tmp_path):
     """One engine per depth: the run's default is below, at and past the trained depth; every_k is the full sweep
     (each engine of it is started the same way: tests/test_vllm.py runs the default three)."""

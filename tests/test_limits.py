@@ -104,16 +104,16 @@ def test_bfloat16_on_a_gpu_without_it_is_refused(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
     gpu = torch.device("cuda", 0)
     with pytest.raises(ConfigError, match=r"train.precision=bf16-mixed needs bfloat16, which cuda:0 \(Tesla V100\)"):
-        check_precision(compose(["target.dtype=float16"], tmp_path, tmp_path / "r"), gpu)
+        check_precision(compose(["target.dtype=float16", "train.precision=bf16-mixed"], tmp_path, tmp_path / "r"), gpu)
     with pytest.raises(ConfigError, match="target.dtype=bfloat16 needs bfloat16.*use target.dtype=float16"):
-        check_precision(compose(["train.precision=16-mixed"], tmp_path, tmp_path / "r"), gpu)
+        check_precision(compose(["train.precision=16-mixed", "target.dtype=bfloat16"], tmp_path, tmp_path / "r"), gpu)
     for fine in (
         ["train.precision=16-mixed", "target.dtype=float16"],
         ["train.precision=64-true", "target.dtype=float32"],
     ):
         check_precision(compose(fine, tmp_path, tmp_path / "r"), gpu)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H100
-    check_precision(compose([], tmp_path, tmp_path / "r"), gpu)
+    check_precision(compose(["train.precision=bf16-mixed", "target.dtype=bfloat16"], tmp_path, tmp_path / "r"), gpu)
 
 
 # --- memory -------------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import pytest
 import torch
 from run_tables import check_acceptance_tables
 
-from eaglelab.config import SelfChatSettings
+from eaglelab.config import SelfChatSettings, half_precision
 from eaglelab.data.capture import aux_hooks
 from eaglelab.data.self_chat import self_chat_prompts
 from eaglelab.data.store import TokenStore
@@ -16,27 +16,14 @@ from eaglelab.targets import load_target
 
 from conftest import compose
 
-
-def native_bf16() -> bool:
-    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX); without, torch and vLLM emulate it."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
-
-
-# The default's bfloat16 (target and bf16-mixed training) where the CPU has it; float32 elsewhere: on an AVX2-only
-# CPU (Zen 3) emulated bf16 made this fixture 352 s, most of it in regeneration, vLLM and training.
-BF16 = native_bf16()
-DTYPE = "bfloat16" if BF16 else "float32"
+# The default (`auto`: bfloat16 target and bf16-mixed training where the CPU computes bfloat16, float32 elsewhere:
+# on an AVX2-only CPU emulated bf16 made this fixture 352 s, most of it in regeneration, vLLM and training).
+DTYPE = half_precision("cpu")[0]
 
 
 @pytest.fixture(scope="module")
 def smollm2_run(cache_dir, tmp_path_factory):
     overrides = [
-        f"target.dtype={DTYPE}",
-        f"train.precision={'bf16-mixed' if BF16 else '32-true'}",
         "data.num_prompts=4",
         "data.sources=[stdlib_docstrings,self_chat]",  # half of them written by SmolLM2 itself
         "data.self_chat.batch_size=4",
@@ -61,6 +48,8 @@ def test_whole_loop_on_the_embedded_target(smollm2_run):
     assert exported["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]  # L = 30
     assert exported["target_hidden_size"] == 576 and exported["vocab_size"] == 49152
     assert (exported["fc_norm"], exported["norm_output"]) == (True, True)
+    config = (smollm2_run / "config.yaml").read_text()  # the defaults' `auto`, as this machine resolved it
+    assert f"dtype: {DTYPE}" in config and f"precision: {half_precision('cpu')[1]}" in config
 
 
 def test_capture_uses_vllm_layer_ids(smollm2_run, cache_dir):

@@ -38,6 +38,25 @@ def _non_negative(owner: str, **values) -> None:
             raise ConfigError(f"{owner}.{key} must be >= 0, got {value}")
 
 
+def half_precision(accelerator: str) -> tuple[str, str]:
+    """(target.dtype, train.precision) that `auto` stands for on this machine, for `train.accelerator`: bfloat16
+    where the device computes it natively, float16 on a GPU before Ampere, float32 on a CPU without AVX512-BF16 or
+    AMX (there torch and vLLM emulate bfloat16)."""
+    import torch
+
+    from eaglelab.devices import native_bf16_cpu
+
+    cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    if cuda:
+        if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+            return "float16", "16-mixed"
+        return "bfloat16", "bf16-mixed"
+    if accelerator == "cpu" or accelerator == "auto":
+        if native_bf16_cpu():
+            return "bfloat16", "bf16-mixed"
+    return "float32", "32-true"  # (and MPS, TPU: float32 is what every one of them computes)
+
+
 @dataclass
 class TinyTargetConfig:
     """The test and smoke target: a seeded Llama whose greedy text is a token chain (head_dim 64: vLLM's CPU
@@ -75,7 +94,8 @@ class TinyTargetConfig:
 class TargetConfig:
     kind: Literal["smollm2", "tiny", "hf"] = "smollm2"
     name_or_path: str | None = None  # kind=hf: a Hugging Face id, a local folder or a .gguf file (converted once)
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"  # regeneration and capture
+    # regeneration and capture; auto: train.precision's 16 bits where the machine computes them (`half_precision`)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     seed: int = 0  # kind=tiny: weights are a function of this seed
     tiny: TinyTargetConfig = field(default_factory=TinyTargetConfig)
     local_files_only: bool = True  # no hub downloads at run time
@@ -201,10 +221,12 @@ class TrainConfig:
     # (its validation metrics are the run's; train/kept_epoch says which). Needs data.val_prompts > 0.
     keep: Literal["last", "best"] = "best"
     seed: int = 0
-    # Lightning's precisions; bf16-mixed is CPU autocast (AVX512-bf16): ~1.6x faster than 32-true here
-    precision: Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true", "bf16", 32, 16, 64] = (
-        "bf16-mixed"
-    )
+    # Lightning's precisions, or auto: bf16-mixed where the device computes bfloat16 (a GPU from Ampere on; a CPU
+    # with AVX512-BF16 or AMX, where it is ~1.6x faster than 32-true), 16-mixed on an older GPU, 32-true elsewhere
+    # (an AVX2-only CPU emulates bf16: a training step 17x slower than float32, measured). `half_precision` decides.
+    precision: Literal[
+        "auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true", "bf16", 32, 16, 64
+    ] = "auto"
     accelerator: Literal["cpu", "gpu", "cuda", "mps", "tpu", "auto"] = "cpu"
     devices: int = 1  # per node; with strategy=ddp, batch_size is per process (global = batch_size × processes)
     num_nodes: int = 1
@@ -438,11 +460,17 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     plain.pop("hydra", None)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(RunConfig), plain)
-        return OmegaConf.to_object(merged)
+        run_cfg = OmegaConf.to_object(merged)
     except ConfigError:
         raise
     except Exception as e:  # omegaconf's messages and ours name the key; keep the first line
         raise ConfigError(f"invalid config: {first_line(e)}") from None
+    # `auto` resolved here, in the process that runs the trial (a Slurm job composes on its own node), never in the
+    # schema's defaults; the target computes on the training device, in that device's 16 bits
+    dtype, precision = half_precision(run_cfg.train.accelerator)
+    run_cfg.target.dtype = dtype if run_cfg.target.dtype == "auto" else run_cfg.target.dtype
+    run_cfg.train.precision = precision if run_cfg.train.precision == "auto" else run_cfg.train.precision
+    return run_cfg
 
 
 def max_k(cfg: RunConfig) -> int:

@@ -24,6 +24,17 @@ ENGINE_HEADROOM_BYTES = 1 << 30
 ENGINE_MIN_BYTES = 2 << 30
 
 
+def native_bf16_cpu(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX); without, torch and vLLM emulate it. Read
+    from the kernel's CPU flags (torch 2.13 has no query for them); no /proc (macOS): no."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def local_rank() -> int:
     # LOCAL_RANK: Lightning's DDP children and torchrun. SLURM_LOCALID: a Slurm task that is one DDP rank
     # (conf/hydra/launcher/slurm.yaml), which loads the target before Lightning reads the Slurm environment.

@@ -6,6 +6,7 @@ that changes whenever the weights or tokenizer would, so caches downstream can b
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from eaglelab.config import TargetConfig
+from eaglelab.config import TargetConfig, half_precision
 from eaglelab.devices import local_cuda_device
 from eaglelab.errors import TargetError, first_line
 from eaglelab.io import atomic_dir, file_lock
@@ -531,6 +532,8 @@ def load_target(cfg: TargetConfig, cache_dir: str | Path, device: torch.device |
         path, fingerprint = _tiny_folder(cfg, cache_dir)
     else:
         path, fingerprint = _hf_folder(cfg, cache_dir)
+    if cfg.dtype == "auto":  # (a TargetConfig of its own; a run's was resolved with its train.accelerator)
+        cfg = dataclasses.replace(cfg, dtype=half_precision("cpu" if device.type == "cpu" else "gpu")[0])
     try:
         size = target_size(path, cfg.dtype, cfg.local_files_only)
     except Exception as e:  # the load below would fail the same way: say so now
