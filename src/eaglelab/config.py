@@ -51,9 +51,8 @@ def half_precision(accelerator: str) -> tuple[str, str]:
         if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
             return "float16", "16-mixed"
         return "bfloat16", "bf16-mixed"
-    if accelerator == "cpu" or accelerator == "auto":
-        if native_bf16_cpu():
-            return "bfloat16", "bf16-mixed"
+    if accelerator in ("cpu", "auto") and native_bf16_cpu():
+        return "bfloat16", "bf16-mixed"
     return "float32", "32-true"  # (and MPS, TPU: float32 is what every one of them computes)
 
 
@@ -468,8 +467,10 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     # `auto` resolved here, in the process that runs the trial (a Slurm job composes on its own node), never in the
     # schema's defaults; the target computes on the training device, in that device's 16 bits
     dtype, precision = half_precision(run_cfg.train.accelerator)
-    run_cfg.target.dtype = dtype if run_cfg.target.dtype == "auto" else run_cfg.target.dtype
-    run_cfg.train.precision = precision if run_cfg.train.precision == "auto" else run_cfg.train.precision
+    if run_cfg.target.dtype == "auto":
+        run_cfg.target.dtype = dtype
+    if run_cfg.train.precision == "auto":
+        run_cfg.train.precision = precision
     return run_cfg
 
 
