@@ -116,6 +116,30 @@ def test_in_a_submitit_job_acting_calls_submitits_handler_after_the_write(handle
     assert calls == [(signal.SIGUSR2, True)]  # called once, with the checkpoint already in place
 
 
+def test_the_jobs_sigterm_during_submitits_requeue_does_not_fail_it(handlers, monkeypatch):
+    """submitit requeues by running `scontrol requeue` inside the job it requeues, and Slurm then sends SIGTERM to
+    every process of the job (proctrack follows children): scontrol could die of it before returning, and
+    submitit wrote the accepted requeue as the job's failure (seen in CI, the 2-node test). Here the program is
+    `sleep`, and the SIGTERM reaches it, as Slurm's would, while submitit waits for it."""
+    import subprocess
+
+    returned = []
+
+    def submitit_requeue(signum, frame):
+        program = subprocess.Popen(["sleep", "0.5"])
+        os.kill(program.pid, signal.SIGTERM)  # Slurm, ending the requeued job's processes
+        returned.append(program.wait())
+        raise SystemExit(-1)
+
+    signal.signal(signal.SIGUSR2, submitit_requeue)
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    preemption.install()
+    with pytest.raises(SystemExit):
+        os.kill(os.getpid(), signal.SIGUSR2)
+    assert returned == [0]  # the program ran to its end (killed, it returns -15)
+    assert signal.getsignal(signal.SIGTERM) is preemption._handle  # and the handler is back
+
+
 def test_a_signal_while_a_figure_is_drawn_is_acted_on_after_it_is_saved(handlers, tmp_path):
     """Agg's renderer calls back into Python: an interrupt raised there became `ValueError: Invalid bounding box`
     (found by benchmarks/faults.py through Slurm). The signal here is sent while the figure is being drawn."""

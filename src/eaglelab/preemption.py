@@ -120,6 +120,19 @@ def _handle(signum: int, frame) -> None:
         _act(signum, time.monotonic(), None)
 
 
+@contextlib.contextmanager
+def _term_ignored():
+    """SIGTERM ignored, by this process and the programs it starts meanwhile (an ignored signal is inherited
+    across exec). submitit requeues by running `scontrol requeue` inside the job it requeues: Slurm's SIGTERM to
+    every process of the job can reach scontrol before it returns, and submitit then takes the accepted requeue
+    for a failure and writes it as the job's result. Slurm's SIGKILL still ends whatever outstays KillWait."""
+    before = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def _act(signum: int, arrived: float, waited_for: str | None) -> None:
     global _pending, _received, _acted
     name = signal.Signals(signum).name
@@ -128,7 +141,8 @@ def _act(signum: int, arrived: float, waited_for: str | None) -> None:
     log.warning("%s received during %s: stopping (the same command resumes)", name, _stage)
     previous = _previous.get(signum)
     if "SUBMITIT_EXECUTOR" in os.environ and callable(previous):
-        previous(signum, None)  # submitit: USR2 checkpoints, requeues the job and exits
+        with _term_ignored():
+            previous(signum, None)  # submitit: USR2 checkpoints, requeues the job and exits
         _acted, _received = False, None  # it returned (TERM is only logged; USR2 in a rank > 0): the run goes on
         return
     raise KeyboardInterrupt(f"{name} during {_stage}")
