@@ -183,6 +183,41 @@ def test_the_training_estimate_counts_what_autograd_keeps(T, checkpointing):
     assert abs(sum(saved.values()) - expected) < 0.02 * expected, (sum(saved.values()), expected)
 
 
+@pytest.mark.parametrize(
+    "flags,level_off",
+    [
+        ("fpu avx2 fma", 0),  # AVX2 (this box): no 16-bit matmul kernels
+        ("fpu avx2 avx512f avx512bw", 0),  # AVX512 without BF16: bfloat16 emulated, nothing kept per shape
+        ("fpu avx2 avx512f avx512_bf16", 40),  # Zen 4
+        ("fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile", 64),  # an AMX Xeon
+    ],
+)
+def test_the_per_shape_growth_is_counted_by_the_cpus_bfloat16_kernels(flags, level_off, tmp_path, monkeypatch):
+    """`kernel_cache_bytes`: what a CPU training process keeps per new batch length under 16-bit autocast, by the
+    instructions the CPU computes bfloat16 with (read from a written cpuinfo: no such CPUs here), levelling off at
+    that kind's reading; nothing in float32, and no more batches than the run has."""
+    import eaglelab.devices
+    import eaglelab.limits
+    from eaglelab.limits import KERNELS_PER_NEW_BATCH, PromptSet, _trainable_parameters, kernel_cache_bytes
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    real = eaglelab.devices.cpu_bf16_kernels
+    monkeypatch.setattr(eaglelab.limits, "cpu_bf16_kernels", lambda: real(str(cpuinfo)))
+    cfg = compose(["experiment=smoke", "train.precision=bf16-mixed", "train.epochs=50"], tmp_path, tmp_path / "r")
+    d = eaglelab.limits.Eagle3Config(
+        hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        vocab_size=512, draft_vocab_size=256, target_hidden_size=64, aux_layer_ids=(1, 2, 3),
+    )  # fmt: skip
+    per_batch = 2 * 2 * _trainable_parameters(d) + KERNELS_PER_NEW_BATCH
+    data = PromptSet("train", 1, 8, 64, 56, "data.max_length=64", trained_on=500)  # 50 epochs of many batches
+    assert kernel_cache_bytes(cfg, d, data) == level_off * per_batch
+    few = PromptSet("train", 1, 8, 64, 56, "data.max_length=64", trained_on=3)  # lengths repeat after 3 batches
+    assert kernel_cache_bytes(cfg, d, few) == min(level_off, 3) * per_batch
+    float32 = compose(["experiment=smoke", "train.precision=32-true", "train.epochs=50"], tmp_path, tmp_path / "r")
+    assert kernel_cache_bytes(float32, d, data) == 0
+
+
 # --- disk: refused up front, and full while writing ---------------------------------------------------------------
 @pytest.fixture
 def tmpfs(tmp_path):

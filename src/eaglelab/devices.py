@@ -24,15 +24,22 @@ ENGINE_HEADROOM_BYTES = 1 << 30
 ENGINE_MIN_BYTES = 2 << 30
 
 
-def native_bf16_cpu(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX); without, torch and vLLM emulate it. Read
-    from the kernel's CPU flags (torch 2.13 has no query for them); no /proc (macOS): no."""
+def cpu_bf16_kernels(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The instructions this CPU computes bfloat16 matmuls with: "AMX" (amx_bf16), "AVX512" (avx512_bf16) or None
+    (torch and vLLM emulate bfloat16 there). Read from the kernel's CPU flags: torch 2.13 has no query for them
+    (`get_cpu_capability` says "AVX512" on an AMX Xeon and on an AVX512 CPU without bfloat16 alike); no /proc
+    (macOS): None."""
     try:
         with open(cpuinfo) as f:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return None
+    return "AMX" if "amx_bf16" in flags else "AVX512" if "avx512_bf16" in flags else None
+
+
+def native_bf16_cpu(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX)."""
+    return cpu_bf16_kernels(cpuinfo) is not None
 
 
 def local_rank() -> int:

@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from eaglelab.config import RunConfig, check_depths_and_lengths, max_k
+from eaglelab.devices import cpu_bf16_kernels
 from eaglelab.drafter import Attention, Eagle3Config
 from eaglelab.errors import ConfigError, DiskFull, ResourceError
 from eaglelab.targets import Target, free_memory, proc_bytes
@@ -61,11 +62,18 @@ GB = 1e9
 # not measured on a GPU, taken the same.
 ALLOCATOR_SLACK = {"cpu": 1.2, "cuda": 1.2}
 KERNELS_PER_NEW_BATCH = 22_000_000  # oneDNN's compiled kernels for one batch of new shapes (measured, SmolLM2 drafter)
-# The growth levels off after about this many batches of new lengths (~130 new row counts), whatever the run's length:
-# measured on an AVX-512/AMX Xeon with the drafter's matmul shapes (3.7 GB after 120-140 new row counts, +0.4 GB
-# over the next 20), and the default run (192 new lengths) peaked at 5.1 GB where counting all 192 gave 13.5 GB.
-# Most of it is glibc's heap (its dynamic mmap threshold keeps freed blocks), not oneDNN's kernels.
-KERNEL_BATCHES_MAX = 64
+# After how many batches of new lengths a CPU training process under 16-bit autocast stops growing, by the
+# instructions the CPU computes bfloat16 matmuls with (`devices.cpu_bf16_kernels`). The growth is a property of the
+# CPU's 16-bit matmul path, oneDNN and glibc's heap (its dynamic mmap threshold keeps freed blocks of each new size;
+# most of it is that, not oneDNN's kernels), so each entry is a reading of `make run` (192 new lengths) on one CPU:
+#   AMX     an AMX Xeon: 5.1 GB peak; it levels off after ~64 batches (3.7 GB after 120-140 new row counts,
+#           +0.4 GB over the next 20), where counting all 192 gave 13.5 GB;
+#   AVX512  a Zen 4 EPYC (AVX512-BF16, no AMX): 3.87 GB peak where counting all 192 gave 13.18 GB: the same growth
+#           per batch, levelled off after ~40;
+#   neither no 16-bit matmul kernels (AVX2, or AVX512 without BF16): `train.precision=auto` trains in float32 there,
+#           and float32 keeps nothing per shape (benchmarks/memory_estimate.py on an AVX2 EPYC).
+# Another CPU of a listed kind takes its entry; benchmarks/memory_estimate.py measures one.
+KERNEL_BATCHES_MAX = {"AMX": 64, "AVX512": 40}
 CAPTURE_TOKENS = 8192  # eaglelab.data.prepare._batches: padded tokens per whole-sequence capture forward
 CAPTURE_BATCH = 4  # prepare_features' capture_batch_size
 
@@ -462,20 +470,21 @@ def train_bytes(
 
 
 def kernel_cache_bytes(cfg: RunConfig, d: Eagle3Config, data: PromptSet) -> int:
-    """What oneDNN keeps per matmul shape on a CPU with 16-bit matmul kernels (AVX512/AMX), under 16-bit
-    precisions: each new shape leaves its compiled kernels and a 16-bit copy of the weights it multiplied. A
-    training batch brings two new row counts when its length is new (step 1 runs over B·T rows, steps >= 2 over
-    the drafting positions), so the process grows by about two 16-bit copies of the drafter's weights and
+    """What a CPU with 16-bit matmul kernels (AVX512, AMX) keeps per matmul shape under 16-bit precisions: each
+    new shape leaves oneDNN's compiled kernels, a 16-bit copy of the weights it multiplied and heap blocks of new
+    sizes. A training batch brings two new row counts when its length is new (step 1 runs over B·T rows, steps >= 2
+    over the drafting positions), so the process grows by about two 16-bit copies of the drafter's weights and
     ~22 MB of kernels per batch of a new length, and levels off once the lengths repeat (after about as many
-    batches as there are training sequences) or after KERNEL_BATCHES_MAX of them, whichever comes first
-    (measured: benchmarks/memory_estimate.py; not freed by setting ONEDNN_PRIMITIVE_CACHE_CAPACITY)."""
+    batches as there are training sequences) or after the ISA's KERNEL_BATCHES_MAX, whichever comes first
+    (not freed by setting ONEDNN_PRIMITIVE_CACHE_CAPACITY)."""
     lowp, _ = activation_bytes(cfg.train.precision)
-    if lowp != 2 or torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
+    level_off = KERNEL_BATCHES_MAX.get(cpu_bf16_kernels(), 0)
+    if lowp != 2 or not level_off:
         return 0
     world = cfg.train.devices * cfg.train.num_nodes
     steps = cfg.train.epochs * -(-data.trained_on // (cfg.train.batch_size * world))
     steps = min(steps, cfg.train.max_steps) if cfg.train.max_steps > 0 else steps
-    new_lengths = min(steps, data.trained_on, KERNEL_BATCHES_MAX)
+    new_lengths = min(steps, data.trained_on, level_off)
     return new_lengths * (2 * lowp * _trainable_parameters(d) + KERNELS_PER_NEW_BATCH)
 
 
