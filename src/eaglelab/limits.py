@@ -68,8 +68,8 @@ KERNELS_PER_NEW_BATCH = 22_000_000  # oneDNN's compiled kernels for one batch of
 # most of it is that, not oneDNN's kernels), so each entry is a reading of `make run` (192 new lengths) on one CPU:
 #   AMX     an AMX Xeon: 5.1 GB peak; it levels off after ~64 batches (3.7 GB after 120-140 new row counts,
 #           +0.4 GB over the next 20), where counting all 192 gave 13.5 GB;
-#   AVX512  a Zen 4 EPYC (AVX512-BF16, no AMX): 3.87 GB peak where counting all 192 gave 13.18 GB: the same growth
-#           per batch, levelled off after ~40;
+#   AVX512  a Zen 4 EPYC (AVX512-BF16, no AMX): 3.87 GB peak where counting all 192 gave 13.18 GB: with the same
+#           growth per batch (assumed: only the peak was read), it levelled off after ~40;
 #   neither no 16-bit matmul kernels (AVX2, or AVX512 without BF16): `train.precision=auto` trains in float32 there,
 #           and float32 keeps nothing per shape (benchmarks/memory_estimate.py on an AVX2 EPYC).
 # Another CPU of a listed kind takes its entry; benchmarks/memory_estimate.py measures one.
