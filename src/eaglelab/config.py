@@ -38,6 +38,13 @@ def _non_negative(owner: str, **values) -> None:
             raise ConfigError(f"{owner}.{key} must be >= 0, got {value}")
 
 
+def on_cuda(accelerator: str) -> bool:
+    """Whether `train.accelerator` trains on a CUDA device."""
+    import torch
+
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+
+
 def half_precision(accelerator: str) -> tuple[str, str]:
     """(target.dtype, train.precision) that `auto` stands for on this machine, for `train.accelerator`: bfloat16
     where the device computes it natively, float16 on a GPU before Ampere, float32 on a CPU without AVX512-BF16 or
@@ -46,8 +53,7 @@ def half_precision(accelerator: str) -> tuple[str, str]:
 
     from eaglelab.devices import native_bf16_cpu
 
-    cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
-    if cuda:
+    if on_cuda(accelerator):
         if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
             return "float16", "16-mixed"
         return "bfloat16", "bf16-mixed"
@@ -232,6 +238,11 @@ class TrainConfig:
     strategy: str = "auto"
     num_threads: int = 0  # 0: all cores
     checkpoint_every_n_steps: int = 50  # the resume point after a preemption (lightning/last.ckpt)
+    # torch's deterministic algorithms (Lightning's Trainer(deterministic=...)). null: on a CPU only, where they cost
+    # nothing. On CUDA they exclude cuDNN's attention (SDPA takes flash instead): an 8B drafter's training step was
+    # 1.55x slower at T = 32k on an H200 and 1.22x at 8k (benchmarks/step_scaling.py --deterministic). true: GPU runs
+    # and resumes that repeat bit for bit, at that cost. (Kept null in config.yaml: resolved by the trainer.)
+    deterministic: bool | None = None
 
     def __post_init__(self):
         if not self.lr < FLOAT32_MAX:  # Adam keeps lr as a float32 scalar: beyond this it fails inside the step

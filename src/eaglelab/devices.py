@@ -89,3 +89,28 @@ def engine_placement(utilization: float | None = None) -> tuple[dict, dict]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     physical = visible.split(",")[device.index].strip() if visible else str(device.index)
     return {"gpu_memory_utilization": math.floor(share * 1e4) / 1e4}, {"CUDA_VISIBLE_DEVICES": physical}
+
+
+# torch.nn.attention.SDPBackend's values, by the names a profile shows them under.
+SDPA_KERNELS = {-1: "error", 0: "math", 1: "flash", 2: "efficient", 3: "cudnn", 4: "overrideable"}
+
+
+class SdpaKernels(torch.overrides.TorchFunctionMode):
+    """Which kernel `scaled_dot_product_attention` picks at each call made inside it, in call order ("flash",
+    "efficient", "cudnn" or "math": the last materialises the scores, B·h·T² of them). Asked of SDPA's own chooser
+    (`torch._fused_sdp_choice`, with the call's arguments) just before the call runs. The drafter calls SDPA once
+    per decoder layer and draft step, so in one unroll call i is draft step i // num_layers + 1.
+
+        with SdpaKernels() as kernels:
+            module.ttt(batch, steps)
+        kernels.log  # ["flash", "flash", "flash"]"""
+
+    def __init__(self):
+        super().__init__()
+        self.log: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            self.log.append(SDPA_KERNELS.get(int(torch._fused_sdp_choice(*args, **kwargs)), "unknown"))
+        return func(*args, **kwargs)

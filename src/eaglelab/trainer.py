@@ -12,7 +12,7 @@ import lightning as L
 import torch
 
 from eaglelab.batches import FeatureDataset, HybridStates, OnlineStates, collate
-from eaglelab.config import RunConfig
+from eaglelab.config import RunConfig, TrainConfig, on_cuda
 from eaglelab.data.store import Sequences
 from eaglelab.data.vocab import draft_vocab
 from eaglelab.drafter import Eagle3Config, Eagle3Drafter
@@ -200,6 +200,11 @@ def init_layers_from_target(drafter: Eagle3Drafter, layers: list[dict[str, torch
             tensor.copy_(weight)
 
 
+def deterministic(t: TrainConfig) -> bool:
+    """train.deterministic, null resolved: deterministic algorithms on a CPU, not on CUDA (config.TrainConfig)."""
+    return t.deterministic if t.deterministic is not None else not on_cuda(t.accelerator)
+
+
 def make_trainer(cfg: RunConfig, run_dir: Path, loggers: list | bool, extra_callbacks: list | None = None):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -220,7 +225,7 @@ def make_trainer(cfg: RunConfig, run_dir: Path, loggers: list | bool, extra_call
         gradient_clip_val=t.grad_clip or None,
         logger=loggers,
         log_every_n_steps=5,
-        deterministic=True,
+        deterministic=deterministic(t),
         num_sanity_val_steps=0,
         use_distributed_sampler=False,  # EpochBatches shards the batches itself (and resumes mid-epoch)
         # One rolling checkpoint: the resume point after a preemption (written atomically: AtomicCheckpointIO).
