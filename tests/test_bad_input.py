@@ -273,3 +273,23 @@ def test_a_cgroup_limit_counts_as_the_memory_free(tmp_path):
     assert _cgroup_free(proc, tmp_path / "fs") == 6 << 30  # 8 GiB - 3 GiB used + 1 GiB reclaimable cache
     proc.write_text("0::/\n")
     assert _cgroup_free(proc, tmp_path / "fs") is None
+
+
+def test_a_cache_dir_that_is_a_file_is_one_line_before_any_work(bad_files, cache_dir, tmp_path):
+    """paths.cache_dir at a regular file: one line naming the setting, from the CLI (checked before the run starts)
+    and from the pipeline called as a library (before the target loads); a NotADirectoryError traceback before."""
+    from eaglelab.errors import EaglelabError
+    from eaglelab.pipeline import run
+
+    from conftest import compose
+
+    proc = run_cli([*SMOKE, f"paths.cache_dir={bad_files / 'a_file'}"], cache_dir, tmp_path / "cli")
+    assert "set paths.cache_dir (or EAGLELAB_CACHE_DIR) to a folder" in error_line(proc.returncode, proc.stderr)
+    cfg = compose(SMOKE, cache_dir, tmp_path / "lib" / "run")
+    cfg.paths.cache_dir = str(bad_files / "a_file" / "cache")
+    with pytest.raises(EaglelabError) as e:
+        run(cfg)
+    assert "set paths.cache_dir (or EAGLELAB_CACHE_DIR) to a writable folder" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert_nothing_looks_complete(tmp_path)
+    assert (bad_files / "a_file").is_file()

@@ -44,13 +44,25 @@ def test_each_template_condition_renders_what_it_says(tokenizer):
     assert all(MESSAGES[0]["content"] in t for t in text.values())
 
 
-@pytest.mark.parametrize("length", [512, 2048])
+@pytest.mark.parametrize("length", [512, 2048, 32768])
 def test_long_context_prompts_have_the_requested_length(tokenizer, length):
+    """Past what one module holds (~14k tokens at most), further standard-library modules follow: 32k here (a 128k
+    window's prompts are built the same way: 131,065 tokens in 6 s)."""
     render = renderer("native", None)
     prompts = long_context_prompts(tokenizer, render, length, 3)
     lengths = [len(render(tokenizer, p)) for p in prompts]
     assert all(length - 8 <= n <= length for n in lengths), lengths
     assert len({p[0]["content"][:200] for p in prompts}) == 3  # three different modules
+    assert ("# file: " in prompts[0][0]["content"]) == (length > 20000)  # several modules only where one is short
+
+
+def test_a_long_context_prompt_is_a_prefix_of_the_longer_ones(tokenizer):
+    """Lengths differ only in how much context comes before the request, across the step from one module to
+    several too (the text, not its wording, which names the modules where there are several)."""
+    render = renderer("native", None)
+    short, long = (long_context_prompts(tokenizer, render, n, 1)[0][0]["content"] for n in (4096, 24576))
+    body = lambda content: content.split("```python\n")[1].rsplit("\n```", 1)[0]  # noqa: E731
+    assert "# file: " in long and body(long).startswith(body(short)[:-20])  # (a decoded token may end differently)
 
 
 def test_query_blocking_changes_nothing(monkeypatch):

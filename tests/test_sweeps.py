@@ -2,6 +2,7 @@
 several processes share one Optuna study, and sweep mistakes fail before anything runs. (The same on a real
 Slurm: tests/test_slurm.py; several ranks per trial, every launch path: tests/test_launch.py.)"""
 
+import importlib.util
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ import pytest
 
 from benchmarks import preemption  # the benchmark's kill-and-resume, the same code the closing figures come from
 
-from conftest import ROOT, compose, run_cli
+from conftest import ROOT, compose, error_line, run_cli
 
 # A cheap trial: the smoke loop, one epoch, no suites.
 QUICK = [
@@ -230,6 +231,18 @@ def test_sweep_mistakes_fail_before_anything_runs(args, message, cache_dir, tmp_
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-1500:]
     assert not any((tmp_path / "sweep").glob("*/run.json"))  # no trial started
+
+
+@pytest.mark.skipif(importlib.util.find_spec("psycopg") is not None, reason="PostgreSQL's driver is installed here")
+def test_a_postgresql_study_without_its_driver_is_one_line_naming_the_extra(cache_dir, tmp_path):
+    """The README's cluster line on a machine without psycopg: one line naming the extra (Optuna's ImportError
+    traceback before), the password not echoed, no trial started."""
+    storage = "hydra.sweeper.storage=postgresql://user:secret@db/eaglelab"
+    args = ["-m", *QUICK, f"hydra.sweep.dir={tmp_path / 'sweep'}", "+sweep=optuna_search", storage]
+    line = error_line(*(lambda p: (p.returncode, p.stderr))(run_cli(args, cache_dir, tmp_path, timeout=120)))
+    assert "needs the database driver psycopg" in line and "pip install 'eaglelab[postgres]'" in line, line
+    assert "secret" not in line and "user:***@db" in line
+    assert not any((tmp_path / "sweep").glob("*/run.json"))
 
 
 def test_interrupted_attempts_logs_merge_with_every_step_once(tmp_path):

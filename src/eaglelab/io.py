@@ -22,6 +22,20 @@ _UMASK = os.umask(0o022)
 os.umask(_UMASK)  # (reading the umask means setting it: put it back)
 
 
+def writable_folder(directory: Path, setting: str) -> None:
+    """`directory` is (or is made) a folder this process can write to; otherwise one ConfigError line naming
+    `setting`, the key that chooses it. Checked before any work: a cache or results path under a regular file used
+    to end in a NotADirectoryError traceback at the first write."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"cannot write to {directory} ({e.strerror or type(e).__name__}); set {setting} to a writable folder"
+        ) from None
+
+
 @contextlib.contextmanager
 def atomic_dir(final: Path):
     """Yield a temporary sibling folder; rename it to `final` only if the block succeeds."""

@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,7 +37,7 @@ from eaglelab.evaluate import (
     vllm_wanted,
 )
 from eaglelab.export import TargetShape, load_checkpoint, save_drafter
-from eaglelab.io import atomic_write_text, write_csv
+from eaglelab.io import atomic_write_text, writable_folder, write_csv
 from eaglelab.limits import as_disk_full, check_limits, measured_peaks
 from eaglelab.plots import plot_acceptance, plot_speedup
 from eaglelab.ranks import broadcast, gather, is_primary, same_on_every_rank, trial_ranks
@@ -144,6 +145,7 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     check_suites(cfg)  # bad settings fail before any work
+    writable_folder(Path(os.path.expanduser(cfg.paths.cache_dir)), "paths.cache_dir (or EAGLELAB_CACHE_DIR)")
     use_vllm, backend = vllm_wanted(cfg), regen_backend(cfg)  # a required but missing vLLM fails now
     with timer("convert"):  # the target (SmolLM2's GGUF converted once, then cached), where training runs
         target = load_target(cfg.target, cfg.paths.cache_dir, device=target_device(cfg.train.accelerator))

@@ -19,16 +19,19 @@ import contextlib
 import datetime
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import warnings
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
+
+from eaglelab.errors import ConfigError
+from eaglelab.io import writable_folder
 
 log = logging.getLogger("eaglelab.sweeps")
 
@@ -141,7 +144,10 @@ def check_slurm(config: DictConfig) -> None:
 
 def check_storage(config: DictConfig) -> None:
     url = OmegaConf.select(config, "hydra.sweeper.storage")
-    if not url or not str(url).startswith("sqlite:///"):
+    if not url:
+        return
+    if not str(url).startswith("sqlite:///"):
+        check_database_driver(str(url))
         return  # another RDB: its server answers when the study opens (before any trial is asked)
     path = Path(str(url)[len("sqlite:///") :]).expanduser()
     results = Path(str(config.paths.results_dir)).expanduser()
@@ -154,16 +160,43 @@ def check_storage(config: DictConfig) -> None:
         )
 
 
+def check_database_driver(url: str) -> None:
+    """An RDB storage's Python driver (SQLAlchemy's dialect names it: psycopg for postgresql://) is installed here;
+    otherwise Optuna would fail with an ImportError traceback when the study opens."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        parsed = make_url(url)
+        dialect = parsed.get_dialect()
+    except Exception as e:  # (ArgumentError, NoSuchModuleError: an unknown scheme)
+        _fail(
+            f"hydra.sweeper.storage is not a database URL SQLAlchemy knows ({str(e).splitlines()[0]}); use "
+            "sqlite:///PATH/study.db or an RDB URL such as postgresql://USER@HOST/DB"
+        )
+    try:
+        dialect.import_dbapi()
+    except ImportError:
+        extra = "pip install 'eaglelab[postgres]'" if dialect.name == "postgresql" else f"pip install {dialect.driver}"
+        _fail(
+            f"hydra.sweeper.storage={parsed.render_as_string(hide_password=True)} needs the database driver "
+            f"{dialect.driver}, which is not installed here; {extra}"
+        )
+
+
 def check_writable(directory: Path) -> None:
     """Results go there: a folder that cannot be created or written to fails now, not after training."""
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):
-            pass
-    except OSError as e:
+        writable_folder(directory, "paths.results_dir (or EAGLELAB_RESULTS_DIR)")
+    except ConfigError as e:
+        _fail(str(e))
+
+
+def check_cache_dir(config: DictConfig) -> None:
+    """The cache is a folder, or nothing yet (a sweep's cache may live where only its jobs create it)."""
+    cache = Path(os.path.expanduser(str(config.paths.cache_dir)))
+    if cache.exists() and not cache.is_dir():
         _fail(
-            f"cannot write to {directory} ({e.strerror or type(e).__name__}); set paths.results_dir (or "
-            "EAGLELAB_RESULTS_DIR) to a writable folder"
+            f"paths.cache_dir {cache} is a file, not a folder; set paths.cache_dir (or EAGLELAB_CACHE_DIR) to a folder"
         )
 
 
@@ -178,9 +211,11 @@ class Preflight(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         check_writable(Path(str(config.hydra.run.dir)).expanduser())
+        check_cache_dir(config)
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         check_writable(Path(str(config.hydra.sweep.dir)).expanduser())
+        check_cache_dir(config)
         check_slurm(config)
         check_storage(config)
         check_sweep_params(config)
