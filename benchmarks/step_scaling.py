@@ -14,13 +14,15 @@ depth and the checkpointing switch change no parameter).
 
 Per row: the peak of the step (GPU: torch's max allocated; CPU: peak RSS, which never goes down, so only the first
 row's is its own) and what the step added over what was held before it (the model, AdamW's moments); eaglelab's
-estimate of that addition (`limits.ttt_kept_bytes` + `unroll_alive_bytes` + the gradients; no allocator slack);
-the mean step time over --steps; the step's FLOPs as torch's FlopCounterMode counts them without checkpointing (the
-model's FLOPs: recomputation is not useful work; causal attention counted as half the dense product,
-`attention_flops`; where the step without checkpointing does not fit, the checkpointed step's, recomputation
-included, marked "*") and their rate against --peak-tflops (default: the H200's and H100's bf16 dense peak,
-989 TFLOP/s) and against a 8192³ bf16 GEMM measured here; the SDPA kernel each draft step's
-attention used (`eaglelab.devices.SdpaKernels`). A row that runs out of memory is a figure of its own ("OOM").
+activation model for that addition (`limits.ttt_kept_bytes` + `unroll_alive_bytes`, the terms its memory check sizes
+a step with, + the float32 gradients; without what the check adds on top: AdamW's update temporaries, autocast's
+16-bit weight copies and the allocator slack); the mean step time over --steps; the step's FLOPs as torch's
+FlopCounterMode counts them without checkpointing (the model's FLOPs: recomputation is not useful work; causal
+attention counted as half the dense product, `attention_flops`; where no step without checkpointing was measured at
+that size (it did not fit, or --checkpointing on), the checkpointed step's, recomputation included, marked "*") and
+their rate against --peak-tflops (default: the H200's and H100's bf16 dense peak, 989 TFLOP/s) and against a 8192³
+bf16 GEMM measured here; the SDPA kernel each draft step's attention used (`eaglelab.devices.SdpaKernels`). A row
+that runs out of memory is a figure of its own ("OOM").
 """
 
 from __future__ import annotations
@@ -232,7 +234,7 @@ def main(argv=None):
     try:
         lengths = [int(x) for x in args.lengths.split(",")]
         depths = [int(x) for x in args.ttt.split(",")]
-        modes = [{"off": False, "on": True}[x] for x in args.checkpointing.split(",")]
+        modes = sorted({{"off": False, "on": True}[x] for x in args.checkpointing.split(",")})  # off first: its FLOPs
     except (ValueError, KeyError):
         sys.exit("error: --lengths and --ttt take comma-separated integers, --checkpointing off, on or off,on")
     if args.steps < 1 or min(lengths) < 2 or min(depths) < 1:
@@ -250,7 +252,7 @@ def main(argv=None):
     rows = []
     for T in lengths:
         for ttt in depths:
-            flops = None
+            flops = None  # the model FLOPs of this (T, TTT): counted on the row without checkpointing
             for ckpt in modes:
                 label = f"T={T} ttt={ttt} checkpointing={'on' if ckpt else 'off'}"
                 try:
@@ -264,11 +266,12 @@ def main(argv=None):
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
                 else:
-                    if row["flops"] is None:  # the model FLOPs of this (T, TTT), counted without checkpointing
+                    if row["flops"] is None:  # (counted on the row without checkpointing)
                         row["flops"], row["flops_counted"] = flops, "model"
-                    flops = row["flops"]
-                    if flops:
-                        row["tflops"] = flops / row["step_s"] / 1e12
+                    elif row["flops_counted"] == "model":
+                        flops = row["flops"]
+                    if row["flops"]:
+                        row["tflops"] = row["flops"] / row["step_s"] / 1e12
                         row["of_peak"] = row["tflops"] / args.peak_tflops if args.peak_tflops else None
                         row["of_gemm"] = row["tflops"] / gemm
                     print(f"  {label}: {row['step_s']:.3f} s, {row['peak_gib']:.2f} GiB", file=sys.stderr)
@@ -279,7 +282,7 @@ def main(argv=None):
     peak = f"{args.peak_tflops:.0f} TFLOP/s" if args.peak_tflops else "none given (--peak-tflops)"
     print(f"bf16 GEMM here: {gemm:.1f} TFLOP/s; bf16 dense peak taken: {peak}")
     print(
-        f"{'T':>6} {'TTT':>3} {'ckpt':>4} {'peak GiB':>9} {'added':>7} {'est.':>7} {'est/meas':>8} {'step s':>7} "
+        f"{'T':>6} {'TTT':>3} {'ckpt':>4} {'peak GiB':>9} {'added':>7} {'model':>7} {'mod/meas':>8} {'step s':>7} "
         f"{'TFLOP/s':>8} {'of peak':>8} {'of GEMM':>8}  kernel by draft step"
     )
     for r in rows:
@@ -297,7 +300,7 @@ def main(argv=None):
             f"{rate}  {' '.join(r['kernels'])}"
         )
     if any(r.get("flops_counted") == "executed" for r in rows):
-        print("* FLOPs executed with checkpointing (recomputation included): the step without it did not fit")
+        print("* FLOPs executed with checkpointing (recomputation included): no step without it was measured there")
     if args.profile:  # where the first row's step spends its time, by kernel
         from torch.profiler import ProfilerActivity, profile
 

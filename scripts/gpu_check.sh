@@ -22,7 +22,7 @@
 #             estimate (benchmarks/scale_rehearsal.py)
 #   step      one training step of the 8B-shaped drafter at T = 2k, 8k and 32k, TTT 3 and 7, with and without
 #             activation checkpointing: peak memory against the estimate, step time, share of the bf16 peak, the
-#             SDPA kernel of each draft step (benchmarks/step_scaling.py); torch alone
+#             SDPA kernel of each draft step (benchmarks/step_scaling.py); torch and Lightning
 # A stage whose packages do not import here is skipped and named (`skip_unless`): on a box with torch, transformers
 # and Lightning only, the scale rehearsal still runs; vLLM built for another torch counts as missing.
 # Exit status: 0 all stages passed or were skipped, 1 a stage failed, 2 no GPU here.
@@ -38,8 +38,8 @@ PY=${PYTHON:-python3}
 OUT_DIR=${OUT:-results/gpu_check}
 RUN_DIR=${GPU_CHECK_RUN_DIR:-$OUT_DIR/default}
 DRY=${GPU_CHECK_DRY_RUN:-0}
-# Stage limits that keep the whole check under 10 min: 10 + 60 + 75 + 160 + 100 + 50 + 150 = 605 s (+ at most 5 s kill
-# grace each). Measured on an H200 (2026-12-04): gpu 0 s, tiny 32-35 s, scale 28-32 s, step 44 s; engine, default and
+# Stage limits that keep the whole check under 10 min: 10 + 60 + 75 + 160 + 100 + 50 + 90 = 545 s (+ at most 5 s kill
+# grace each: 580 s). Measured on an H200 (2026-12-04): gpu 0 s, tiny 32-35 s, scale 28-32 s, step 44 s; engine, default and
 # features (vLLM, the SmolLM2 wheel) not yet run on a GPU: their limits are guesses from the CPU's times.
 GPU_S=${GPU_CHECK_GPU_S:-10}
 TINY_S=${GPU_CHECK_TINY_S:-60}
@@ -47,7 +47,7 @@ ENGINE_S=${GPU_CHECK_ENGINE_S:-75}
 DEFAULT_S=${GPU_CHECK_DEFAULT_S:-160}
 FEATURES_S=${GPU_CHECK_FEATURES_S:-100}
 SCALE_S=${GPU_CHECK_SCALE_S:-50}
-STEP_S=${GPU_CHECK_STEP_S:-150}
+STEP_S=${GPU_CHECK_STEP_S:-90}
 TOKENIZER=${GPU_CHECK_TOKENIZER:-}
 if [[ -z $TOKENIZER && -f dist/gpu-bundle/smollm2-tokenizer/tokenizer.json ]]; then
     TOKENIZER=$PWD/dist/gpu-bundle/smollm2-tokenizer
@@ -259,7 +259,7 @@ if skip_unless scale torch transformers lightning; then
 fi
 
 # --- step --------------------------------------------------------------------------------------
-if skip_unless step torch; then
+if skip_unless step torch lightning; then
     stage step "$STEP_S" "$PY" -m benchmarks.step_scaling --device cuda --shape llama8b --out "$OUT_DIR/step.json"
 fi
 

@@ -245,8 +245,9 @@ def test_scale_rehearsal_on_a_tiny_target(tmp_path):
     assert result["tokens_per_s"] == pytest.approx(result["batch"] * result["seq_len"] / result["step_s"])
     assert 0 < result["target_forward_share"] < 1
     assert result["peak_memory_kind"] == "cpu_peak_rss" and result["peak_memory_gb"] > 0
-    # the memory check's estimate beside it (on the H200: 45.4 GiB estimated, 34.4 measured)
-    assert 0.5 < result["estimate_gb"] / result["peak_memory_gb"] < 2, result
+    # the memory check's estimate beside it (on the H200: 45.4 GiB estimated, 34.4 allocated at the peak); on a CPU
+    # the peak RSS holds whatever the imports and the allocator kept, which the check measures rather than models
+    assert math.isfinite(result["estimate_gb"]) and result["estimate_gb"] > 0
     assert math.isfinite(result["final_loss"]) and result["final_loss"] > 0
     assert "trained positions/s" in proc.stdout
 
@@ -272,7 +273,8 @@ def test_step_scaling_on_a_tiny_drafter(tmp_path):
     takes the model FLOPs of the row without checkpointing."""
     out = tmp_path / "step.json"
     env = cli_env(tmp_path / "cache", tmp_path / "results", {"OMP_NUM_THREADS": "1"})
-    args = ["--device", "cpu", "--shape", "tiny", "--lengths", "32,64", "--ttt", "2", "--steps", "1", "--out", out]
+    args = ["--device", "cpu", "--shape", "tiny", "--lengths", "32,64", "--ttt", "2", "--checkpointing", "on,off",
+            "--steps", "1", "--out", out]  # fmt: skip
     code = WITHOUT.format(absent=ABSENT_ON_A_BARE_GPU_BOX).replace("scale_rehearsal", "step_scaling")
     proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
@@ -283,7 +285,14 @@ def test_step_scaling_on_a_tiny_drafter(tmp_path):
         assert off["flops"] > 0 and on["flops"] == off["flops"] and on["flops_counted"] == "model"
     assert rows[2]["flops"] > 2 * rows[0]["flops"] * 0.9  # (linear in T at this size, and then some)
     assert all(r["kernels"] == ["flash", "flash"] and r["estimate_added_gib"] > 0 for r in rows)
-    assert "kernel by draft step" in proc.stdout
+    assert "kernel by draft step" in proc.stdout and "*" not in proc.stdout  # (every FLOP count the model's)
+
+    from benchmarks.step_scaling import main  # only checkpointed rows: their FLOPs are the executed ones, marked
+
+    main(["--device", "cpu", "--shape", "tiny", "--lengths", "32", "--ttt", "2", "--checkpointing", "on",
+          "--steps", "1", "--out", str(out)])  # fmt: skip
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["flops_counted"] == "executed" and row["flops"] > rows[0]["flops"]  # (the recomputation counted)
 
 
 def test_attention_flops_counts_grouped_heads_causally():

@@ -160,8 +160,13 @@ def check_storage(config: DictConfig) -> None:
         )
 
 
+# SQLAlchemy's driver names whose PyPI package is named otherwise (psycopg: the `postgres` extra).
+DRIVER_PACKAGES = {"psycopg2": "psycopg2-binary", "mysqldb": "mysqlclient", "pymysql": "PyMySQL", "asyncpg": "asyncpg"}
+
+
 def check_database_driver(url: str) -> None:
-    """An RDB storage's Python driver (SQLAlchemy's dialect names it: psycopg for postgresql://) is installed here;
+    """An RDB storage's Python driver (SQLAlchemy's dialect names it: psycopg for postgresql:// in SQLAlchemy 2.1) is
+    installed here;
     otherwise Optuna would fail with an ImportError traceback when the study opens."""
     from sqlalchemy.engine import make_url
 
@@ -176,7 +181,8 @@ def check_database_driver(url: str) -> None:
     try:
         dialect.import_dbapi()
     except ImportError:
-        extra = "pip install 'eaglelab[postgres]'" if dialect.name == "postgresql" else f"pip install {dialect.driver}"
+        package = DRIVER_PACKAGES.get(dialect.driver, dialect.driver)
+        extra = "pip install 'eaglelab[postgres]'" if dialect.driver == "psycopg" else f"pip install {package}"
         _fail(
             f"hydra.sweeper.storage={parsed.render_as_string(hide_password=True)} needs the database driver "
             f"{dialect.driver}, which is not installed here; {extra}"

@@ -11,7 +11,6 @@ Python 3.11, so a 128k-window target is tested to its window. None of these modu
 
 from __future__ import annotations
 
-import importlib.util
 import sysconfig
 from functools import cache
 from pathlib import Path
@@ -42,25 +41,33 @@ REQUESTS = [
 ]
 
 
+def stdlib_folder() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
 def module_source(name: str) -> str:
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-        raise DataError(f"standard-library module {name} has no Python source on this machine")
-    return Path(spec.origin).read_text(encoding="utf-8")
+    """The source file of standard-library module `name`, read from the standard library's folder (not through
+    the import system, which would skip frozen modules by how Python was started, or find a same-named file)."""
+    path = stdlib_folder() / f"{name}.py"
+    if not path.is_file():
+        raise DataError(f"standard-library module {name} has no Python source on this machine ({path})")
+    return path.read_text(encoding="utf-8")
 
 
 @cache
 def further_modules() -> tuple[str, ...]:
     """The top-level modules of this Python's standard library that may follow a prompt's own module, by name:
     public ones, none that training prompts come from."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    stdlib = stdlib_folder()
     excluded = set(MODULES) | set(STDLIB_MODULES)
     return tuple(p.stem for p in sorted(stdlib.glob("*.py")) if not p.stem.startswith("_") and p.stem not in excluded)
 
 
 def _chain(i: int):
-    """(name, source) of prompt i's text, in order: MODULES[i], the other MODULES after it, then further_modules()."""
-    for name in (*MODULES[i:], *MODULES[:i], *further_modules()):
+    """(name, source) of prompt i's text, in order: MODULES[i] (which must be there: the prompt names it), the other
+    MODULES after it, then further_modules()."""
+    yield MODULES[i], module_source(MODULES[i])
+    for name in (*MODULES[i + 1 :], *MODULES[:i], *further_modules()):
         try:
             yield name, module_source(name)
         except (DataError, UnicodeDecodeError):  # (a module without readable source here: the next one)
