@@ -211,3 +211,12 @@ def test_suite_settings_are_checked_by_the_suites(override, message, tmp_path):
     cfg = compose([override], tmp_path, tmp_path / "r")  # the schema cannot know the suites' tables
     with pytest.raises(ConfigError, match=message):
         check_suites(cfg)
+
+
+def test_capture_backend_auto_is_vllm_where_vllm_regenerates_on_cuda():
+    from eaglelab.config import resolve_capture_backend
+
+    assert resolve_capture_backend("auto", "vllm", cuda=True) == "vllm"
+    assert resolve_capture_backend("auto", "vllm", cuda=False) == "hf"  # measured faster on a CPU (docs)
+    assert resolve_capture_backend("auto", "hf", cuda=True) == "hf"  # captured inside the HF regeneration
+    assert resolve_capture_backend("vllm", "hf", cuda=False) == "vllm"  # asked for: kept

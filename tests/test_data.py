@@ -120,6 +120,44 @@ def test_hf_dataset_saved_to_disk(tmp_path):
 # the two backends' greedy sequences with memory held beside the engine.
 
 
+def test_the_weights_training_reads_come_by_name_without_loading_the_model(cache_dir):
+    """A run with cached features reads the embedding, final norm, LM head (and the last layers, when the drafter
+    starts from them) by tensor name: the very tensors the loaded model holds, and the model stays unloaded."""
+    lazy, loaded = (load_target(TargetConfig(kind="tiny", dtype="float32"), cache_dir) for _ in range(2))
+    by_name = lazy.weights(last_layers=2)
+    assert not lazy.loaded
+    loaded.load()
+    held = loaded.weights(last_layers=2)
+    for key in ("embed", "lm_head", "norm"):
+        assert torch.equal(getattr(by_name, key), getattr(held, key)), key
+    assert [sorted(layer) for layer in by_name.layers] == [sorted(layer) for layer in held.layers]
+    for a, b in zip(by_name.layers, held.layers):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert lazy.generation_config.eos_token_id == loaded.generation_config.eos_token_id
+
+
+@pytest.mark.slow
+def test_vllm_capture_matches_hf_capture(tiny, tmp_path):
+    """data.capture_backend=vllm: the real engine (extract_hidden_states, eaglelab's CPU connector) prefills each
+    regenerated sequence and its states are the HF capture's, layer by layer, within the store's bf16 rounding (the
+    tiny target computes in float32 in both); norm(h_L) and the greedy labels from the target's own head, read by
+    tensor name, are HF's too. A different cache entry: the backend is part of its key."""
+    prompts = mix_sources(["stdlib_docstrings"], 6, seed=3)
+    kw = dict(name="t", aux_layer_ids=[4, 2], system_prompt=None, max_new_tokens=16, max_length=256, batch_size=6)
+    kw.update(with_final=True, shard_size=4)
+    hf, _ = prepare_features(tiny, prompts, cache_dir=tmp_path, **kw)  # HF regeneration, capture fused in
+    engine, stats = prepare_features(tiny, prompts, cache_dir=tmp_path, capture_backend="vllm", **kw)
+    assert stats.regen_cached and not stats.capture_cached and engine.states_dir != hf.states_dir
+    assert engine["input_ids"] == hf["input_ids"]
+    for i in range(len(hf)):
+        a, b = hf.item(i, with_final=True), engine.item(i, with_final=True)
+        for key in ("aux", "final"):  # aux in the config's order ([4, 2]), whatever order vLLM passes them on
+            assert a[key].shape == b[key].shape
+            scale = a[key].float().abs().amax(-1, keepdim=True)  # bf16 keeps 8 bits of each value: 2^-8 of it
+            assert ((a[key].float() - b[key].float()).abs() <= scale * 2**-7).all(), (i, key)
+        assert torch.equal(a["target_next"], b["target_next"])
+
+
 KILLED_PREPARATION = """
 import sys
 from eaglelab.config import TargetConfig
@@ -340,7 +378,7 @@ def test_the_chat_evaluation_set_is_held_out_of_every_training_source():
 def test_validation_is_held_out_by_count_at_every_data_size(cache_dir, tmp_path):
     """data.val_prompts prompts from the training sources, on top of data.num_prompts: as many validation sequences
     at 96 training prompts as at 384, none of them trained on, and the same split every time it is drawn."""
-    from eaglelab.pipeline import select_prompts
+    from eaglelab.data.stage import select_prompts
 
     from conftest import compose
 

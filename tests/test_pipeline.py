@@ -75,7 +75,8 @@ def test_smoke_run_writes_the_documented_layout(smoke_runs):
 
 def test_same_seed_gives_identical_metrics(smoke_runs):
     a, b = (json.loads((d / "metrics.json").read_text()) for d in (smoke_runs.a, smoke_runs.b))
-    strip = lambda m: {k: v for k, v in m.items() if not k.startswith(("time/", "memory/"))}
+    # (data/shards_prepared: a prepared the entries b reads)
+    strip = lambda m: {k: v for k, v in m.items() if not k.startswith(("time/", "memory/", "data/shards_prepared"))}
     assert strip(a) == strip(b)
 
 
@@ -85,6 +86,25 @@ def test_a_second_run_reads_the_cache_the_first_filled(smoke_runs):
     after_a, after_b = smoke_runs.cache_after_a, smoke_runs.cache_after_b
     assert any(f.startswith("regen/") for f in after_a) and any(f.startswith("features/") for f in after_a)
     assert after_b == after_a
+    metrics = [json.loads((d / "metrics.json").read_text()) for d in smoke_runs[:2]]
+    assert metrics[1]["data/shards_prepared"] == 0
+    # An HF regeneration loads the target's model (the first run's, unless another test of this process prepared the
+    # same data first); the second run, training from the cache, never loads it.
+    assert metrics[0]["memory/target_loaded"] == int(metrics[0]["data/shards_prepared"] > 0)
+    assert metrics[1]["memory/target_loaded"] == 0
+
+
+def test_stage_prepare_fills_the_cache_a_trial_then_trains_from(cache_dir, tmp_path):
+    """`stage=prepare` runs the data stage alone (training, held-out and suite sets) and exits with its data
+    metrics; a trial of the same config then prepares nothing and trains."""
+    overrides = ["experiment=smoke", "data.seed=11"]  # a data set no other test prepares
+    prepared = run(compose([*overrides, "stage=prepare"], cache_dir, tmp_path / "prepare"))
+    metrics = json.loads((prepared / "metrics.json").read_text())
+    assert metrics["data/shards_prepared"] > 0 and metrics["data/train_tokens"] > 0
+    assert not (prepared / "drafter").exists() and "time/train_s" not in metrics
+    trial = run(compose(overrides, cache_dir, tmp_path / "trial"))
+    metrics = json.loads((trial / "metrics.json").read_text())
+    assert metrics["data/shards_prepared"] == 0 and "val/acceptance_length@k3" in metrics
 
 
 def test_training_raises_tau_over_the_untrained_drafter(smoke_runs, cache_dir):
@@ -93,9 +113,10 @@ def test_training_raises_tau_over_the_untrained_drafter(smoke_runs, cache_dir):
     import lightning as L
 
     from eaglelab.config import max_k
+    from eaglelab.data.stage import prepare_data, select_prompts
     from eaglelab.evaluate import evaluate_simulated
     from eaglelab.export import TargetShape, load_checkpoint
-    from eaglelab.pipeline import StageTimer, build_model_config, prepare_data, regen_backend, select_prompts
+    from eaglelab.pipeline import build_model_config
     from eaglelab.targets import load_target
     from eaglelab.trainer import init_from_target
     from eaglelab.training import DrafterModule
@@ -103,9 +124,7 @@ def test_training_raises_tau_over_the_untrained_drafter(smoke_runs, cache_dir):
     cfg = compose(["experiment=smoke"], cache_dir, smoke_runs.a)
     target = load_target(cfg.target, cfg.paths.cache_dir)
     model_cfg = build_model_config(cfg, target)
-    held_out = prepare_data(
-        cfg, target, model_cfg, select_prompts(cfg), StageTimer(), regen_backend(cfg), train=False
-    ).held_out
+    held_out = prepare_data(cfg, target, model_cfg, select_prompts(cfg), train=False).held_out
     weights = target.weights()
     shape = TargetShape(target.hidden_size, target.vocab_size, target.num_layers)
     trained = load_checkpoint(smoke_runs.a / "drafter", weights.embed.float(), shape)
@@ -250,8 +269,8 @@ def test_the_tiny_targets_greedy_text_varies(cache_dir, tmp_path):
     the same drafts). Its target.tiny.alphabet=0 is that random Llama, kept as the counter-example."""
     import torch
 
+    from eaglelab.data.stage import select_prompts
     from eaglelab.data.templates import template_prompt
-    from eaglelab.pipeline import select_prompts
     from eaglelab.targets import load_target
 
     def responses(overrides):
@@ -305,8 +324,9 @@ def test_keep_best_exports_the_epoch_with_the_best_validation_tau(cache_dir, tmp
 
     from eaglelab.acceptance import AcceptanceCounts
     from eaglelab.batches import FeatureDataset, acceptance_counts, collate
+    from eaglelab.data.stage import prepare_data, select_prompts
     from eaglelab.export import TargetShape, load_checkpoint
-    from eaglelab.pipeline import StageTimer, build_model_config, prepare_data, regen_backend, select_prompts
+    from eaglelab.pipeline import build_model_config
     from eaglelab.targets import load_target
 
     overrides = ["experiment=smoke", "train.keep=best", "train.precision=32-true"]  # fp32: recomputed exactly
@@ -320,8 +340,7 @@ def test_keep_best_exports_the_epoch_with_the_best_validation_tau(cache_dir, tmp
 
     cfg = compose(overrides, cache_dir, run_dir)
     target = load_target(cfg.target, cfg.paths.cache_dir)
-    data = prepare_data(cfg, target, build_model_config(cfg, target), select_prompts(cfg, target), StageTimer(),
-                        regen_backend(cfg)).train  # fmt: skip
+    data = prepare_data(cfg, target, build_model_config(cfg, target), select_prompts(cfg, target)).train
     drafter = load_checkpoint(
         run_dir / "drafter",
         target.weights().embed.float(),

@@ -39,6 +39,8 @@ RANK = {
     "eaglelab.data.prepare": 2,
     "eaglelab.data.vocab": 2,
     "eaglelab.data.self_chat": 2,  # prompts the target writes: they need the target
+    "eaglelab.data.vllm_capture": 2,  # the capture engine's process (vLLM's hidden-states connector)
+    "eaglelab.data.stage": 2,  # the data stage: sources -> prompts -> engine -> store
     # 3: train
     "eaglelab.batches": 3,
     "eaglelab.training": 3,

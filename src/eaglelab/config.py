@@ -45,6 +45,16 @@ def on_cuda(accelerator: str) -> bool:
     return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
 
 
+def resolve_capture_backend(choice: str, regen: str, cuda: bool) -> str:
+    """`data.capture_backend` for a run whose regeneration backend is `regen` (resolved): `auto` is vLLM where vLLM
+    regenerates on a machine with CUDA (its batched prefill, the target at any tensor or pipeline size, never loaded
+    in the training process), HF's capture elsewhere: on a 2-core CPU both prefill ~200 tok/s and vLLM's engine
+    start per prompt set made the default run's data stage 1.2x slower (README)."""
+    if choice != "auto":
+        return choice
+    return "vllm" if regen == "vllm" and cuda else "hf"
+
+
 def half_precision(accelerator: str) -> tuple[str, str]:
     """(target.dtype, train.precision) that `auto` stands for on this machine, for `train.accelerator`: bfloat16
     where the device computes it natively, float16 on a GPU before Ampere, float32 on a CPU without AVX512-BF16 or
@@ -174,6 +184,14 @@ class DataConfig:
     # vllm: vLLM generates (~4x HF here), then one capture forward | hf: our KV-cache loop with capture
     # fused in | auto: vllm when installed
     regen_backend: Literal["auto", "hf", "vllm"] = "auto"
+    # Who captures the target's states: vllm: a vLLM prefill of each finished prompt + response, its aux layers
+    # and last layer taken by its extract_hidden_states method | hf: one HF forward per batch (the reference; with
+    # an HF regeneration, inside the pass that generates) | auto: vllm where vLLM regenerates on CUDA, else hf
+    # (resolve_capture_backend)
+    capture_backend: Literal["auto", "hf", "vllm"] = "auto"
+    # The data engine's devices (vLLM, regeneration and capture alike): more nodes take shards (stage=prepare)
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     shard_size: int = 128  # prompts per regeneration shard: a killed preparation redoes at most one
     seed: int = 0
     skip_empty: bool = False  # jsonl/hf rows without a user turn: an error naming the row, or skipped and counted
@@ -186,6 +204,8 @@ class DataConfig:
             max_length=self.max_length,
             regen_batch_size=self.regen_batch_size,
             shard_size=self.shard_size,
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
         )
         if self.val_prompts < 0:
             raise ConfigError(f"data.val_prompts must be >= 0 (a count of prompts), got {self.val_prompts}")
@@ -426,6 +446,9 @@ class RunConfig:
     paths: PathsConfig = field(default_factory=PathsConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: str | None = None  # set: evaluate this drafter (export dir, run dir or .ckpt), no training
+    # all: the whole loop | prepare: the data stage alone (its cache entries, then exit), e.g. once for a sweep, on
+    # as many processes as wanted (each takes shards), before its trials start
+    stage: Literal["all", "prepare"] = "all"
     # What `python src/run.py` returns to a sweeper (Hydra's Optuna sweeper): metrics.json keys, in order.
     objective: list[str] = field(default_factory=lambda: ["val/acceptance_length@k${train.ttt_steps}"])
     run_dir: str | None = None  # set by the entry point (Hydra's output dir)

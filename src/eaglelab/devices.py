@@ -59,10 +59,11 @@ def local_cuda_device() -> torch.device:
     return torch.device("cuda", rank)
 
 
-def engine_placement(utilization: float | None = None) -> tuple[dict, dict]:
+def engine_placement(utilization: float | None = None, beside: int = 0) -> tuple[dict, dict]:
     """-> (job fields, environment) for a vLLM engine process started now by this process: on a CPU box nothing;
-    with CUDA, this process's own device and `gpu_memory_utilization` = (free − headroom) / total, measured after
-    this process has returned its allocator's cached blocks. A `utilization` given (eval.vllm.gpu_memory_utilization)
+    with CUDA, this process's own device and `gpu_memory_utilization` = (free − headroom − beside) / total, measured
+    after this process has returned its allocator's cached blocks (`beside`: bytes the engine's process needs next to
+    the engine, e.g. the capture job's LM head). A `utilization` given (eval.vllm.gpu_memory_utilization)
     is kept, and refused here in one line if it cannot fit what is free."""
     if not torch.cuda.is_available():
         return {}, {}
@@ -71,7 +72,7 @@ def engine_placement(utilization: float | None = None) -> tuple[dict, dict]:
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     held = torch.cuda.memory_reserved(device)
-    share = (free - ENGINE_HEADROOM_BYTES) / total
+    share = (free - ENGINE_HEADROOM_BYTES - beside) / total
     gib = 1 << 30
     where = f"{device} has {free / gib:.1f} of {total / gib:.1f} GiB free beside this process ({held / gib:.1f} held)"
     if utilization is not None:

@@ -14,9 +14,11 @@ from tqdm.auto import tqdm
 
 from eaglelab.acceptance import AcceptanceCounts, DepthAccuracy, SequenceCounts
 from eaglelab.batches import FeatureDataset, acceptance_counts, collate, move
-from eaglelab.config import RunConfig, vllm_ks
+from eaglelab.config import RunConfig, max_k, vllm_ks
 from eaglelab.drafter import Eagle3Drafter
 from eaglelab.errors import EaglelabError
+from eaglelab.io import write_csv
+from eaglelab.plots import plot_speedup
 from eaglelab.vllm_engine import INSTALL_HINT, vllm_available
 
 log = logging.getLogger("eaglelab")
@@ -287,3 +289,56 @@ def evaluate_in_vllm(
             metrics[f"vllm/speedup@k{r['k']}@c{r['concurrency']}"] = speedup
         metrics[f"vllm/output_tokens_per_s@{r['method']}@k{r['k']}@c{r['concurrency']}"] = tps
     return VllmReport(acc_rows, pos_rows, parity, throughput, metrics)
+
+
+def evaluate_held_out(
+    cfg: RunConfig, run_dir: Path, drafter: Eagle3Drafter, held_out, metrics: dict
+) -> tuple[list[dict], list[dict]]:
+    """Simulated τ and per-position acceptance for k = 1..max_k: acceptance.csv, per_position.csv, metrics.
+    Written before vLLM runs: if the engine fails, the trained drafter and these tables stay."""
+    depth, per_sequence = DepthAccuracy(max_k(cfg)), []
+    totals = evaluate_simulated(
+        drafter, held_out, max_k(cfg), batch_size=cfg.train.batch_size, depth=depth, per_sequence=per_sequence
+    )
+    per_prompt, per_prompt_depth = per_prompt_rows(per_sequence, held_out, cfg.eval.prompts)
+    write_csv(run_dir / "per_prompt.csv", per_prompt)  # what paired comparisons resample (analysis/paired.py)
+    write_csv(run_dir / "per_prompt_depth.csv", per_prompt_depth)
+    by_k, by_pos = acceptance_rows(totals, evaluator="simulated", suite=cfg.eval.prompts)
+    by_depth = [
+        {"suite": cfg.eval.prompts, "depth": d + 1, "accuracy": depth.accuracy[d], "correct": c, "counted": n}
+        for d, (c, n) in enumerate(zip(depth.correct, depth.counted))
+    ]  # teacher-forced, on the held-out sequences (validation's val/acc@d is the same measure on its split)
+    metrics.update({f"acc@d{r['depth']}": r["accuracy"] for r in by_depth if r["counted"]})
+    write_csv(run_dir / "depth_accuracy.csv", by_depth)
+    metrics.update({f"acceptance_length@k{row['k']}": row["acceptance_length"] for row in by_k})
+    metrics.update({f"acceptance_rate@k{row['k']}@pos{row['position']}": row["acceptance_rate"] for row in by_pos})
+    metrics.update(  # n-α where some round reached the position (else it is no measurement, and not in the JSON)
+        {f"conditional_rate@k{r['k']}@pos{r['position']}": r["conditional_rate"] for r in by_pos if r["reached"]}
+    )
+    write_csv(run_dir / "acceptance.csv", by_k)
+    write_csv(run_dir / "per_position.csv", by_pos)
+    return by_k, by_pos
+
+
+def evaluate_held_out_in_vllm(
+    cfg: RunConfig,
+    run_dir: Path,
+    drafter: Eagle3Drafter,
+    serving: Serving,
+    held_out,
+    by_k: list[dict],
+    by_pos: list[dict],
+    metrics: dict,
+) -> tuple[list[dict], list[dict]]:
+    """vLLM's τ per k and decode speedup, appended to the simulated tables; parity.csv, throughput.csv.
+    -> (acceptance rows of both evaluators, parity rows)."""
+    report = held_out_in_vllm(cfg, run_dir, drafter, serving, held_out)
+    by_k = by_k + report.acceptance
+    write_csv(run_dir / "acceptance.csv", by_k)
+    write_csv(run_dir / "per_position.csv", by_pos + report.per_position)
+    write_csv(run_dir / "parity.csv", report.parity)
+    write_csv(run_dir / "throughput.csv", report.throughput)
+    metrics.update(report.metrics)
+    if report.throughput:
+        plot_speedup(run_dir, f"{cfg.variant} (seed {cfg.train.seed})")
+    return by_k, report.parity

@@ -15,14 +15,17 @@ The disk a cache entry needs is checked where the prompts' lengths are known (`e
 that fills up anyway becomes one `DiskFull` error (`as_disk_full`, called once, by `eaglelab.pipeline.run`).
 
 Memory model. The peak of this process is what it holds when the check runs (measured: resident memory, which
-includes the imports and the loaded target; on a GPU the memory torch has reserved there) plus the largest of
-what each stage adds on top, each counted from what the code keeps alive at its worst moment:
+includes the imports, and the target's model if it is loaded already; on a GPU the memory torch has reserved there)
+plus the largest of what each stage adds on top, each counted from what the code keeps alive at its worst moment. A
+stage that runs the HF target here (HF regeneration or capture, online or hybrid training) also adds the target's
+weights while they are not loaded yet (`Target.weights_bytes`: they load when that stage first needs them):
 
     regenerate  HF generate (`data.regen_backend=hf`; vLLM generates in its own process): the KV cache of a batch
                 of data.regen_batch_size sequences, the prefill's eager attention scores and MLP of one layer,
                 and the states captured in the same pass;
-    capture     one whole-sequence forward of up to 4 sequences and 8192 tokens (`prepare._batches`): one
-                layer's activations, the aux states the hooks keep, the logits of the labelled positions;
+    capture     (HF capture only: vLLM captures in its own process) one whole-sequence forward of up to 4 sequences
+                and 8192 tokens (`prepare._batches`): one layer's activations, the aux states the hooks keep, the
+                logits of the labelled positions;
     train       the drafter, its gradients and AdamW's two moments, and what autograd keeps for one batch of
                 train.batch_size sequences over train.ttt_steps draft steps (`ttt_kept_bytes`) plus what the
                 unroll holds besides (`unroll_alive_bytes`); with online or hybrid features the target's forward
@@ -49,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from eaglelab.config import RunConfig, check_depths_and_lengths, max_k
+from eaglelab.config import RunConfig, check_depths_and_lengths, max_k, resolve_capture_backend
 from eaglelab.devices import cpu_bf16_kernels
 from eaglelab.drafter import Attention, Eagle3Config
 from eaglelab.errors import ConfigError, DiskFull, ResourceError
@@ -180,7 +183,7 @@ class TargetShape:
 
     @classmethod
     def of(cls, target: Target) -> TargetShape:
-        c = target.model.config
+        c = target.config
         heads = c.num_attention_heads
         return cls(
             layers=c.num_hidden_layers,
@@ -190,7 +193,7 @@ class TargetShape:
             head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
             intermediate=c.intermediate_size,
             vocab=c.vocab_size,
-            dtype_bytes=next(target.model.parameters()).element_size(),
+            dtype_bytes=target.dtype.itemsize,
             max_context=target.max_context,
         )
 
@@ -290,24 +293,29 @@ def estimate_memory(cfg: RunConfig, target: Target, drafter: Eagle3Config, sets:
     t, device, n_aux = TargetShape.of(target), target.device, len(drafter.aux_layer_ids)
     slack = ALLOCATOR_SLACK["cuda" if device.type == "cuda" else "cpu"]
     stages: dict[str, StageCost] = {}
-    if sets and (cfg.data.regen_backend == "hf" or (cfg.data.regen_backend == "auto" and not _vllm_installed())):
+    # A stage that runs the HF target in this process holds its weights too, once it has loaded them.
+    weights = 0 if target.loaded else target.weights_bytes
+    hf_regenerates = cfg.data.regen_backend == "hf" or (cfg.data.regen_backend == "auto" and not _vllm_installed())
+    regen = "hf" if hf_regenerates else "vllm"
+    hf_captures = resolve_capture_backend(cfg.data.capture_backend, regen, torch.cuda.is_available()) == "hf"
+    if sets and hf_regenerates:
         worst = max(sets, key=lambda s: regeneration_bytes(t, n_aux, s.batch, s.prompt, s.sequence))
         stages["regenerate"] = StageCost(
-            int(slack * regeneration_bytes(t, n_aux, worst.batch, worst.prompt, worst.sequence)),
+            weights + int(slack * regeneration_bytes(t, n_aux, worst.batch, worst.prompt, worst.sequence)),
             f"data.regen_batch_size={cfg.data.regen_batch_size} × {worst.bound} ({worst.name})",
             "data.regen_batch_size or data.max_length",
         )
-    if sets:
+    if sets and hf_captures:  # (a vLLM capture computes in the engine's process)
         worst = max(sets, key=lambda s: cached_capture_bytes(t, n_aux, s.sequence, s.response))
         stages["capture"] = StageCost(
-            int(slack * cached_capture_bytes(t, n_aux, worst.sequence, worst.response)),
+            weights + int(slack * cached_capture_bytes(t, n_aux, worst.sequence, worst.response)),
             f"{worst.bound} ({worst.name})",
             "data.max_length",
         )
     train = next((s for s in sets if s.name == "train"), None)
     if train is not None:
         stages["train"] = StageCost(
-            int(train_bytes(cfg, t, drafter, train, slack, device)),
+            int(train_bytes(cfg, t, drafter, train, slack, device)) + (weights if cfg.features.kind != "cached" else 0),
             f"train.batch_size={cfg.train.batch_size} × {train.bound} × train.ttt_steps={cfg.train.ttt_steps}",
             "train.batch_size, data.max_length or train.ttt_steps",
         )

@@ -8,44 +8,30 @@ last, so its presence means complete. `execute` is the method, stage by stage.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
 from eaglelab import preemption
-from eaglelab.acceptance import DepthAccuracy, tail_tokens
 from eaglelab.batches import OnlineStates
 from eaglelab.config import RunConfig, max_k
-from eaglelab.data.prepare import CaptureSettings, PrepareStats, prepare_features
-from eaglelab.data.prompts import hold_out_for_validation, load_source, mix_sources
-from eaglelab.data.self_chat import self_chat_prompts
+from eaglelab.data.stage import capture_backend, check_same_prompts, prepare_data, regen_backend, select_prompts
 from eaglelab.drafter import Eagle3Config, Eagle3Drafter
 from eaglelab.errors import ConfigError, EaglelabError
-from eaglelab.evaluate import (
-    Serving,
-    acceptance_rows,
-    evaluate_simulated,
-    held_out_in_vllm,
-    per_prompt_rows,
-    vllm_wanted,
-)
+from eaglelab.evaluate import Serving, evaluate_held_out, evaluate_held_out_in_vllm, vllm_wanted
 from eaglelab.export import TargetShape, load_checkpoint, save_drafter
-from eaglelab.io import atomic_write_text, writable_folder, write_csv
+from eaglelab.io import atomic_write_text, writable_folder
 from eaglelab.limits import as_disk_full, check_limits, measured_peaks
-from eaglelab.plots import plot_acceptance, plot_speedup
+from eaglelab.plots import plot_acceptance
 from eaglelab.ranks import broadcast, gather, is_primary, same_on_every_rank, trial_ranks
-from eaglelab.ranks import current as current_ranks
 from eaglelab.rundir import RunRecord, adopt_trained_settings, begin_attempt, end_attempt
 from eaglelab.suites import SuiteInputs, check_suites, evaluate_suites, prepare_suites
 from eaglelab.targets import Target, TargetWeights, load_target, target_device
-from eaglelab.vllm_engine import require_vllm, vllm_available
 
 log = logging.getLogger("eaglelab")
 
@@ -64,16 +50,6 @@ class StageTimer:
             yield
         finally:
             self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - t0
-
-
-@dataclass
-class PreparedData:
-    """The data stage's output: captured training and held-out sequences, and the suites' prompt sets."""
-
-    train: object | None = None  # datasets.Dataset with an is_val column; None when only evaluating
-    held_out: object | None = None  # None in a DDP helper process (process 0 evaluates)
-    suites: SuiteInputs = field(default_factory=SuiteInputs)
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def run(cfg: RunConfig) -> Path:
@@ -101,7 +77,7 @@ def run_as_primary(cfg: RunConfig, run_dir: Path) -> Path:
         return run_dir
     try:
         metrics = execute(cfg, run_dir, record)
-        if cfg.logger.kind == "wandb":
+        if cfg.logger.kind == "wandb" and cfg.stage == "all":  # (a prepare-only run has no results to show)
             log_to_wandb(cfg, run_dir, metrics, record)
     except BaseException as e:
         # A full disk, wherever it surfaced (cache, checkpoint, results): one line naming where and what to do.
@@ -146,26 +122,19 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
         torch.set_num_threads(cfg.train.num_threads)
     check_suites(cfg)  # bad settings fail before any work
     writable_folder(Path(os.path.expanduser(cfg.paths.cache_dir)), "paths.cache_dir (or EAGLELAB_CACHE_DIR)")
-    use_vllm, backend = vllm_wanted(cfg), regen_backend(cfg)  # a required but missing vLLM fails now
+    use_vllm = vllm_wanted(cfg)
+    capture_backend(cfg, regen_backend(cfg))  # a required but missing vLLM fails now
     with timer("convert"):  # the target (SmolLM2's GGUF converted once, then cached), where training runs
         target = load_target(cfg.target, cfg.paths.cache_dir, device=target_device(cfg.train.accelerator))
+        if cfg.checkpoint is None and cfg.features.kind != "cached" and cfg.stage == "all":
+            target.load()  # online and hybrid features run it in training: loaded (or refused) before any work
     weights = target.weights(last_layers=cfg.drafter.num_layers if cfg.drafter.init_layers_from_target else 0)
     # 1. The drafter's config: built for this target, or the checkpoint's when only evaluating.
     drafter = load_to_evaluate(cfg, target, weights) if cfg.checkpoint else None
     model_cfg = drafter.cfg if drafter else build_model_config(cfg, target)
     with timer("prompts"):
         prompts = select_prompts(cfg, target)
-    # Each rank builds its prompts from what its own node has (python_docstrings reads the installed modules):
-    # ranks training on different data would still train, silently. One digest compared, one line if they differ.
-    if current_ranks().world_size > 1:
-        digest = hashlib.sha256()
-        for prompt in prompts.training_set:  # prompt by prompt: no copy of the whole set as one string
-            digest.update(json.dumps(prompt, sort_keys=True).encode())
-        same_on_every_rank(
-            digest.hexdigest()[:16],
-            "the training prompts (a digest)",
-            "give every node the same packages and data files, or data.sources that do not depend on the node",
-        )
+    check_same_prompts(prompts)
     # Sizes against this data, target and machine, before any work.
     training = drafter is None  # else only evaluating: no training data
     memory = check_limits(
@@ -190,7 +159,11 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
         use_vllm = False
     # 2. Prompts -> regenerate -> capture -> cache (shared by every run of this target and data).
     with timer("prepare"):
-        data = prepare_data(cfg, target, model_cfg, prompts, timer, backend, train=drafter is None, evaluate=primary)
+        data = prepare_data(cfg, target, model_cfg, prompts, train=drafter is None, evaluate=primary)
+        suites = prepare_suites(cfg, target, prompts.held_out, data.capture) if primary else SuiteInputs()
+    timer.seconds.update(data.seconds, prepare_suites=suites.seconds)
+    if cfg.stage == "prepare":  # the cache entries are complete: every trial of this data trains from them
+        return {**data.metrics, **{f"time/{k}_s": v for k, v in timer.seconds.items()}} if primary else {}
     serving = Serving(target.path, target.max_context)
     # Online and hybrid features keep the frozen target for training; otherwise it is freed before training.
     online = (
@@ -198,8 +171,8 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
         if drafter is None and cfg.features.kind != "cached"
         else None
     )
+    metrics: dict[str, float | int] = {**data.metrics, "memory/target_loaded": int(target.loaded)}
     del target
-    metrics: dict[str, float | int] = dict(data.metrics)
     metrics.update(memory.metrics())
     # 3. Train (training-time test).
     if drafter is None:
@@ -250,9 +223,7 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
     # 6. Suites: extrapolation, drift, long context, templates.
     with timer("suites"), drafter_kept(run_dir):
         metrics.update(
-            evaluate_suites(
-                cfg, drafter, data.suites, data.held_out, by_k, run_dir, serving if use_vllm else None, parity
-            )
+            evaluate_suites(cfg, drafter, suites, data.held_out, by_k, run_dir, serving if use_vllm else None, parity)
         )
     timer.seconds["total"] = time.time() - record.started
     metrics.update({f"time/{k}_s": v for k, v in timer.seconds.items()})
@@ -279,7 +250,7 @@ def build_model_config(cfg: RunConfig, target: Target) -> Eagle3Config:
     try:
         return Eagle3Config.for_target(
             cfg.drafter,
-            target.model.config,
+            target.config,
             aux_layer_ids=aux,
             draft_vocab_size=cfg.drafter.draft_vocab_size,
             max_context=target.max_context,
@@ -314,179 +285,3 @@ def write_resolved_config(cfg: RunConfig, run_dir: Path, model_cfg: Eagle3Config
     atomic_write_text(
         run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create({**asdict(cfg), "resolved": resolved}))
     )
-
-
-@dataclass
-class Prompts:
-    train: list  # training prompts
-    validation: list  # validation prompts (data.val_prompts of them), from the training sources, never trained on
-    held_out: list  # held-out evaluation prompts, from another source
-
-    @property
-    def training_set(self) -> list:
-        """What the training data is prepared from: training then validation prompts (the `is_val` column)."""
-        return self.train + self.validation
-
-
-def select_prompts(cfg: RunConfig, target: Target | None = None) -> Prompts:
-    """Training prompts and held-out evaluation prompts, never overlapping. `target` writes the `self_chat` source's
-    requests (cached, eaglelab.data.self_chat)."""
-    eval_prompts = load_source(cfg.eval.prompts, cfg.data.skip_empty)
-    eval_prompts = eval_prompts[: cfg.eval.num_prompts] if cfg.eval.num_prompts else eval_prompts
-    self_chat = None
-    if target is not None:
-
-        def self_chat(count: int) -> list:
-            return self_chat_prompts(
-                target,
-                count,
-                cache_dir=cfg.paths.cache_dir,
-                system_prompt=cfg.data.system_prompt,
-                seed=cfg.data.seed,
-                settings=cfg.data.self_chat,
-            )
-
-    train_prompts = mix_sources(
-        cfg.data.sources,
-        cfg.data.num_prompts + cfg.data.val_prompts,
-        cfg.data.seed,
-        cfg.data.skip_empty,
-        with_response=cfg.data.responses == "original",
-        self_chat=self_chat,
-    )
-    held_out = {json.dumps(p, sort_keys=True) for p in eval_prompts}
-    question = lambda p: p[:-1] if p[-1]["role"] == "assistant" else p  # noqa: E731  (original responses)
-    kept = [p for p in train_prompts if json.dumps(question(p), sort_keys=True) not in held_out]
-    if len(kept) < len(train_prompts):
-        log.warning("dropped %d training prompts that are also evaluation prompts", len(train_prompts) - len(kept))
-    return Prompts(*hold_out_for_validation(kept, cfg.data.val_prompts), eval_prompts)
-
-
-def prepare_data(
-    cfg: RunConfig,
-    target: Target,
-    model_cfg: Eagle3Config,
-    prompts: Prompts,
-    timer: StageTimer,
-    backend: str,
-    train: bool = True,
-    evaluate: bool = True,
-) -> PreparedData:
-    """The training and held-out prompts regenerated and captured. `evaluate=False` (a DDP helper process): the
-    training data only."""
-    capture = CaptureSettings(
-        cache_dir=cfg.paths.cache_dir,
-        aux_layer_ids=list(model_cfg.aux_layer_ids),
-        system_prompt=cfg.data.system_prompt,
-        max_length=cfg.data.max_length,
-        batch_size=cfg.data.regen_batch_size,
-        backend=backend,
-        shard_size=cfg.data.shard_size,
-    )
-    out, train_stats = PreparedData(), PrepareStats()
-    if train:
-        out.train, train_stats = prepare_features(
-            target,
-            prompts.training_set,
-            name="train",
-            max_new_tokens=cfg.data.max_new_tokens,
-            is_val=[False] * len(prompts.train) + [True] * len(prompts.validation),
-            features=cfg.features.kind,
-            with_final=cfg.train.loss == "kl",  # the KL teacher's state; CE needs none
-            tail_tokens=tail_tokens(2 * cfg.train.ttt_steps),  # validation τ up to k = 2·ttt
-            source="+".join(cfg.data.sources) + ("" if cfg.data.responses == "regenerate" else ":original"),
-            share=(current_ranks().rank, current_ranks().world_size),  # each rank regenerates its share of shards
-            **asdict(capture),
-        )
-    if not evaluate:
-        return out
-    out.held_out, eval_stats = prepare_features(
-        target,
-        prompts.held_out,
-        name="eval",
-        source=cfg.eval.prompts,
-        max_new_tokens=cfg.eval.max_new_tokens,
-        tail_tokens=tail_tokens(max_k(cfg)),
-        **asdict(capture),
-    )
-    for stage in ("regenerate", "capture"):
-        timer.seconds[stage] = train_stats.seconds.get(stage, 0.0) + eval_stats.seconds[stage]
-    out.suites = prepare_suites(cfg, target, prompts.held_out, capture)
-    timer.seconds["prepare_suites"] = out.suites.seconds
-    out.metrics = {
-        "data/skipped_too_long": train_stats.skipped_too_long + eval_stats.skipped_too_long,
-        "data/eval_sequences": len(out.held_out),
-    }
-    if train:
-        on_disk = out.train.disk_bytes()
-        out.metrics.update(
-            {
-                "data/train_tokens": train_stats.tokens,
-                "data/response_tokens": train_stats.response_tokens,
-                # What this run's training data holds on disk now (hybrid's states arrive after its first epoch).
-                "data/disk_bytes_per_token": (on_disk["tokens"] + on_disk["states"]) / max(train_stats.tokens, 1),
-            }
-        )
-    return out
-
-
-def regen_backend(cfg: RunConfig) -> str:
-    backend = cfg.data.regen_backend
-    if backend == "auto":
-        return "vllm" if vllm_available() else "hf"
-    if backend == "vllm":
-        require_vllm()
-    return backend
-
-
-def evaluate_held_out(
-    cfg: RunConfig, run_dir: Path, drafter: Eagle3Drafter, held_out, metrics: dict
-) -> tuple[list[dict], list[dict]]:
-    """Simulated τ and per-position acceptance for k = 1..max_k: acceptance.csv, per_position.csv, metrics.
-    Written before vLLM runs: if the engine fails, the trained drafter and these tables stay."""
-    depth, per_sequence = DepthAccuracy(max_k(cfg)), []
-    totals = evaluate_simulated(
-        drafter, held_out, max_k(cfg), batch_size=cfg.train.batch_size, depth=depth, per_sequence=per_sequence
-    )
-    per_prompt, per_prompt_depth = per_prompt_rows(per_sequence, held_out, cfg.eval.prompts)
-    write_csv(run_dir / "per_prompt.csv", per_prompt)  # what paired comparisons resample (analysis/paired.py)
-    write_csv(run_dir / "per_prompt_depth.csv", per_prompt_depth)
-    by_k, by_pos = acceptance_rows(totals, evaluator="simulated", suite=cfg.eval.prompts)
-    by_depth = [
-        {"suite": cfg.eval.prompts, "depth": d + 1, "accuracy": depth.accuracy[d], "correct": c, "counted": n}
-        for d, (c, n) in enumerate(zip(depth.correct, depth.counted))
-    ]  # teacher-forced, on the held-out sequences (validation's val/acc@d is the same measure on its split)
-    metrics.update({f"acc@d{r['depth']}": r["accuracy"] for r in by_depth if r["counted"]})
-    write_csv(run_dir / "depth_accuracy.csv", by_depth)
-    metrics.update({f"acceptance_length@k{row['k']}": row["acceptance_length"] for row in by_k})
-    metrics.update({f"acceptance_rate@k{row['k']}@pos{row['position']}": row["acceptance_rate"] for row in by_pos})
-    metrics.update(  # n-α where some round reached the position (else it is no measurement, and not in the JSON)
-        {f"conditional_rate@k{r['k']}@pos{r['position']}": r["conditional_rate"] for r in by_pos if r["reached"]}
-    )
-    write_csv(run_dir / "acceptance.csv", by_k)
-    write_csv(run_dir / "per_position.csv", by_pos)
-    return by_k, by_pos
-
-
-def evaluate_held_out_in_vllm(
-    cfg: RunConfig,
-    run_dir: Path,
-    drafter: Eagle3Drafter,
-    serving: Serving,
-    held_out,
-    by_k: list[dict],
-    by_pos: list[dict],
-    metrics: dict,
-) -> tuple[list[dict], list[dict]]:
-    """vLLM's τ per k and decode speedup, appended to the simulated tables; parity.csv, throughput.csv.
-    -> (acceptance rows of both evaluators, parity rows)."""
-    report = held_out_in_vllm(cfg, run_dir, drafter, serving, held_out)
-    by_k = by_k + report.acceptance
-    write_csv(run_dir / "acceptance.csv", by_k)
-    write_csv(run_dir / "per_position.csv", by_pos + report.per_position)
-    write_csv(run_dir / "parity.csv", report.parity)
-    write_csv(run_dir / "throughput.csv", report.throughput)
-    metrics.update(report.metrics)
-    if report.throughput:
-        plot_speedup(run_dir, f"{cfg.variant} (seed {cfg.train.seed})")
-    return by_k, report.parity

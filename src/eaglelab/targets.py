@@ -43,32 +43,69 @@ class TargetWeights:
     layers: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
 
-@dataclass
 class Target:
-    path: Path  # a Hugging Face model folder (config, weights, tokenizer)
-    fingerprint: str  # hash of everything that determines the weights and tokenizer
-    model: torch.nn.Module
-    tokenizer: object
+    """A target model: its folder, tokenizer and config at once; its Hugging Face model only when a stage asks for
+    `model` (HF regeneration or capture, online features, self_chat's sampling). A run whose data is cached, or
+    captured by vLLM, never loads it: training reads what it needs of the target by tensor name (`weights`)."""
+
+    def __init__(self, path: Path, fingerprint: str, model: torch.nn.Module | None = None, tokenizer=None, *,
+                 config=None, dtype: torch.dtype | None = None, device: torch.device | None = None, load=None,
+                 weights_bytes: int | None = None):  # fmt: skip
+        self.path = path  # a Hugging Face model folder (config, weights, tokenizer)
+        self.fingerprint = fingerprint  # hash of everything that determines the weights and tokenizer
+        self.tokenizer = tokenizer
+        self._model, self._load = model, load  # the model, or how to load it (size checked first)
+        self.config = config if config is not None else model.config
+        self.dtype = dtype if dtype is not None else next(model.parameters()).dtype
+        self.device = device if device is not None else next(model.parameters()).device
+        # What loading the model adds to this process (the memory check of the stages that load it)
+        self.weights_bytes = (
+            weights_bytes
+            if weights_bytes is not None
+            else sum(p.numel() * p.element_size() for p in model.parameters())
+        )
 
     @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+    def model(self) -> torch.nn.Module:
+        if self._model is None:
+            self._model = self._load()
+        return self._model
+
+    def load(self) -> torch.nn.Module:
+        """The model, loaded now if it is not yet (a stage that will need it refuses a target too large early)."""
+        return self.model
+
+    @property
+    def loaded(self) -> bool:
+        return self._model is not None
+
+    @property
+    def generation_config(self):
+        """The model's generation config (its stop ids), read from the folder while the model is not loaded."""
+        if self.loaded:
+            return self.model.generation_config
+        from transformers import GenerationConfig
+
+        try:
+            return GenerationConfig.from_pretrained(self.path, local_files_only=True)
+        except (OSError, ValueError):  # none saved: what transformers derives from the model's config
+            return GenerationConfig.from_model_config(self.config)
 
     @property
     def num_layers(self) -> int:
-        return self.model.config.num_hidden_layers
+        return self.config.num_hidden_layers
 
     @property
     def hidden_size(self) -> int:
-        return self.model.config.hidden_size
+        return self.config.hidden_size
 
     @property
     def vocab_size(self) -> int:
-        return self.model.config.vocab_size
+        return self.config.vocab_size
 
     @property
     def max_context(self) -> int:
-        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+        return int(getattr(self.config, "max_position_embeddings", 2048))
 
     def default_aux_layer_ids(self) -> list[int]:
         L = self.num_layers
@@ -77,14 +114,95 @@ class Target:
         return sorted({i for i in (2, L // 2, L - 3) if 1 <= i <= L - 1})
 
     def weights(self, last_layers: int = 0) -> TargetWeights:
-        """What training keeps of the target; `last_layers`: also the weights of its last n decoder layers."""
-        layers = self.model.model.layers[len(self.model.model.layers) - last_layers :] if last_layers else []
-        return TargetWeights(
-            embed=self.model.get_input_embeddings().weight.detach(),
-            lm_head=self.model.get_output_embeddings().weight.detach(),
-            norm=self.model.model.norm.weight.detach(),
-            layers=[{k: v.detach() for k, v in layer.state_dict().items()} for layer in layers],
-        )
+        """What training keeps of the target; `last_layers`: also the weights of its last n decoder layers. The
+        loaded model's own tensors, else the same tensors read by name (in the target's dtype, on its device)."""
+        if self.loaded:
+            layers = self.model.model.layers[len(self.model.model.layers) - last_layers :] if last_layers else []
+            return TargetWeights(
+                embed=self.model.get_input_embeddings().weight.detach(),
+                lm_head=self.model.get_output_embeddings().weight.detach(),
+                norm=self.model.model.norm.weight.detach(),
+                layers=[{k: v.detach() for k, v in layer.state_dict().items()} for layer in layers],
+            )
+        names = tensor_files(self.path)
+        tied = getattr(self.config, "tie_word_embeddings", False)
+        wanted = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight"}
+        wanted["lm_head"] = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        prefixes = [f"model.layers.{i}." for i in range(self.num_layers - last_layers, self.num_layers)]
+        wanted.update({n: n for n in names if n.startswith(tuple(prefixes))})
+        read = read_tensors(self.path, {key: [name] for key, name in wanted.items()})
+        read = {key: t.to(self.device, self.dtype) for key, t in read.items()}
+        if tied:
+            read["lm_head"] = read["embed"]  # one tensor, as the loaded model ties them
+        layers = [
+            {name[len(prefix) :]: t for name, t in read.items() if name.startswith(prefix)} for prefix in prefixes
+        ]
+        return TargetWeights(embed=read["embed"], lm_head=read["lm_head"], norm=read["norm"], layers=layers)
+
+
+LOGITS_CHUNK = 1024  # positions whose full-vocabulary logits are made at once (128k vocab, bf16: 256 MB)
+
+
+@dataclass(frozen=True)
+class TargetHead:
+    """What turns the target's last-layer state into its next token: the final norm and the LM head."""
+
+    norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H] (the input embeddings where the target ties them)
+    eps: float
+
+    def final(self, h_last: torch.Tensor) -> torch.Tensor:
+        """norm(h_L) as Llama's RMSNorm computes it (in float32, weighted in the input's dtype): [T, H] -> [T, H]."""
+        x = h_last.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.norm.to(h_last.device) * x.to(h_last.dtype)
+
+    def greedy(self, final: torch.Tensor, chunk: int = LOGITS_CHUNK) -> torch.Tensor:
+        """argmax of the logits at each position [T, H] -> [T], `chunk` positions at a time (no [T, V] at once)."""
+        head = self.lm_head.to(final.device, final.dtype)
+        if not len(final):
+            return torch.zeros(0, dtype=torch.long, device=final.device)
+        return torch.cat([(part @ head.T).argmax(-1) for part in final.split(chunk)])
+
+
+def tensor_files(folder: str | Path) -> dict[str, str]:
+    """Every tensor name of a Hugging Face folder's safetensors -> the file holding it."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return json.loads(index.read_text())["weight_map"]
+    where = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(f, "pt") as opened:
+            where.update({name: f.name for name in opened.keys()})  # noqa: SIM118  (not a dict)
+    return where
+
+
+def read_tensors(folder: str | Path, wanted: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+    """Tensors of a Hugging Face folder by name, without reading the rest (one safetensors file or a sharded
+    index): `wanted` = {key: [names to try, in order]} -> {key: tensor}."""
+    from safetensors import safe_open
+
+    folder, where = Path(folder), tensor_files(folder)
+    out = {}
+    for key, names in wanted.items():
+        name = next((n for n in names if n in where), None)
+        if name is None:
+            raise TargetError(f"target {folder} has none of {names} in its safetensors")
+        with safe_open(folder / where[name], "pt") as opened:
+            out[key] = opened.get_tensor(name)
+    return out
+
+
+def target_head(folder: str | Path) -> TargetHead:
+    """The final norm and LM head of the target in `folder`, read by tensor name."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    config = {**config.get("text_config", {}), **config}
+    head = ["model.embed_tokens.weight"] if config.get("tie_word_embeddings") else ["lm_head.weight"]
+    tensors = read_tensors(folder, {"norm": ["model.norm.weight"], "lm_head": head})
+    return TargetHead(tensors["norm"], tensors["lm_head"], float(config.get("rms_norm_eps", 1e-6)))
 
 
 def _sha256(path: Path, chunk: int = 1 << 22) -> str:
@@ -520,9 +638,10 @@ def _cannot_load(path: Path, e: Exception) -> TargetError:
 
 
 def load_target(cfg: TargetConfig, cache_dir: str | Path, device: torch.device | str | None = None) -> Target:
-    """The target, frozen, on `device` (default: the CPU); refused before its weights are read when they
-    would not fit the memory free there."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The target for `device` (default: the CPU): its folder, tokenizer and config now; its model, frozen, when a
+    stage first asks for it (`Target.model`), refused then, before its weights are read, when they would not fit
+    the memory free there."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     device = torch.device(device if device is not None else "cpu")
     cache_dir = Path(os.path.expanduser(str(cache_dir)))
@@ -538,30 +657,47 @@ def load_target(cfg: TargetConfig, cache_dir: str | Path, device: torch.device |
         size = target_size(path, cfg.dtype, cfg.local_files_only)
     except Exception as e:  # the load below would fail the same way: say so now
         raise _cannot_load(path, e) from None
-    check_fits(size, device, free_memory(device), path)
-    # On an accelerator the weights go straight there (no copy of the whole target in host memory first).
-    placement = {} if device.type == "cpu" else {"device_map": {"": device}}
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=cfg.local_files_only)
-        # Eager attention: ~25% faster than SDPA for batched CPU decoding (measured, bf16, batch 16).
-        model = AutoModelForCausalLM.from_pretrained(
-            path,
-            dtype=_DTYPES[cfg.dtype],
-            attn_implementation="eager",
-            local_files_only=cfg.local_files_only,
-            **placement,
-        )
+        config = AutoConfig.from_pretrained(path, local_files_only=cfg.local_files_only)
     except Exception as e:
         raise _cannot_load(path, e) from None
-    if not hasattr(model, "model") or not hasattr(model.model, "layers"):
-        raise TargetError(
-            f"target {path} is not a decoder-only causal LM with `model.layers` "
-            "(Llama, Qwen2/3, Mistral families are supported)"
-        )
-    model.eval().requires_grad_(False)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return Target(path=path, fingerprint=f"{fingerprint}:{cfg.dtype}", model=model, tokenizer=tokenizer)
+
+    def load() -> torch.nn.Module:
+        # Refused before its weights are read when they would not fit the memory free there now.
+        check_fits(size, device, free_memory(device), path)
+        # On an accelerator the weights go straight there (no copy of the whole target in host memory first).
+        placement = {} if device.type == "cpu" else {"device_map": {"": device}}
+        try:
+            # Eager attention: ~25% faster than SDPA for batched CPU decoding (measured, bf16, batch 16).
+            model = AutoModelForCausalLM.from_pretrained(
+                path,
+                dtype=_DTYPES[cfg.dtype],
+                attn_implementation="eager",
+                local_files_only=cfg.local_files_only,
+                **placement,
+            )
+        except Exception as e:
+            raise _cannot_load(path, e) from None
+        if not hasattr(model, "model") or not hasattr(model.model, "layers"):
+            raise TargetError(
+                f"target {path} is not a decoder-only causal LM with `model.layers` "
+                "(Llama, Qwen2/3, Mistral families are supported)"
+            )
+        return model.eval().requires_grad_(False)
+
+    return Target(
+        path=path,
+        fingerprint=f"{fingerprint}:{cfg.dtype}",
+        tokenizer=tokenizer,
+        config=config,
+        dtype=_DTYPES[cfg.dtype],
+        device=device,
+        load=load,
+        weights_bytes=size.bytes,
+    )
 
 
 if __name__ == "__main__":  # python -m eaglelab.targets tokenizer DIR

@@ -9,7 +9,7 @@ it is what vLLM does anyway. Counters are vLLM's own (`vllm:spec_decode_*`): τ 
 
 Jobs (JSON):
   {"mode": "generate", target, shards ({shard: [prompt ids]}), max_tokens ({shard: [per prompt]}), shard_dir,
-   stop_token_ids, dtype, max_model_len}
+   stop_token_ids, dtype, max_model_len}  (generate and capture: tensor_parallel_size, pipeline_parallel_size)
       -> shard_dir/<shard>.json ([[response ids, tail ids]], written as each shard finishes),
          {"seconds", "output_tokens"}; tail: `tail_tokens` greedy ids past the response's end
   {"mode": "evaluate", target, drafter, prompts, max_tokens (one, or one per prompt), stop_token_ids, ks,
@@ -75,9 +75,10 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def run_engine(job: dict, workdir: Path, timeout: int = 3600, desc: str = "vLLM") -> dict:
-    """Run one job in a fresh engine process; its log goes to `workdir/vllm.log`. Raises EaglelabError
-    naming the log when the engine fails, so the caller can mark its stage failed and keep the rest."""
+def run_engine(job: dict, workdir: Path, timeout: int = 3600, desc: str = "vLLM", module: str = __name__) -> dict:
+    """Run one job in a fresh engine process (`python -m module`: this module's jobs, or another's that calls
+    `main` with its own handler); its log goes to `workdir/vllm.log`. Raises EaglelabError naming the log when the
+    engine fails, so the caller can mark its stage failed and keep the rest."""
     require_vllm()
     from tqdm.auto import tqdm
 
@@ -87,7 +88,7 @@ def run_engine(job: dict, workdir: Path, timeout: int = 3600, desc: str = "vLLM"
     job_path, out_path, log_path = workdir / "vllm_job.json", workdir / "vllm_out.json", workdir / "vllm.log"
     out_path.unlink(missing_ok=True)
     # On a GPU: this process's own device, and a memory share of what is free there beside what it holds.
-    placement, device_env = engine_placement(job.get("gpu_memory_utilization"))
+    placement, device_env = engine_placement(job.get("gpu_memory_utilization"), job.get("beside_engine_bytes", 0))
     job = {**job, **placement}
     job_path.write_text(json.dumps(job))
     env = {
@@ -101,7 +102,7 @@ def run_engine(job: dict, workdir: Path, timeout: int = 3600, desc: str = "vLLM"
         tqdm(total=job.get("engines", 1), desc=desc, unit="engine", leave=False) as bar,
     ):
         proc = subprocess.Popen(
-            [sys.executable, "-m", "eaglelab.vllm_engine", str(job_path), str(out_path)],
+            [sys.executable, "-m", module, str(job_path), str(out_path)],
             preexec_fn=_die_with_parent,
             env=env,
             stdout=subprocess.PIPE,
@@ -158,26 +159,34 @@ def _spec_counters(llm, k: int) -> tuple[int, int, list[int]]:
     )
 
 
-def _engine(job: dict, k: int | None = None):
+def make_engine(job: dict, k: int | None = None, settings: dict | None = None, captured_layers: int = 0):
+    """An engine drafting `k` tokens with the job's drafter (None: no speculation); `settings`: more LLM arguments
+    (a capture engine's, eaglelab.data.vllm_capture, caching `captured_layers` states per token besides)."""
     from vllm import LLM
 
-    kwargs = {}
+    kwargs = dict(settings or {})
     if k is not None:
         kwargs["speculative_config"] = {"method": "eagle3", "model": job["drafter"], "num_speculative_tokens": k}
+    # One engine over tensor x pipeline devices (vLLM's own workers); one device: in this process, as before.
+    parallel = {"tensor_parallel_size": job.get("tensor_parallel_size", 1)}
+    parallel["pipeline_parallel_size"] = job.get("pipeline_parallel_size", 1)
     # CPU: no graph compile (minutes on 2 cores); GPU: CUDA graphs, as served.
     eager = job.get("enforce_eager")
     if job.get("gpu_memory_utilization") is not None:
         kwargs["gpu_memory_utilization"] = job["gpu_memory_utilization"]
     if not cuda_available() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # the user's GiB, if set, rule
-        kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(job, k)
+        kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(job, k, captured_layers)
     return LLM(
         model=job["target"],
         dtype=job["dtype"],
         max_model_len=job["max_model_len"],
         seed=0,
         enforce_eager=(not cuda_available()) if eager is None else eager,
-        distributed_executor_backend="uni",
+        distributed_executor_backend="uni"
+        if parallel == {"tensor_parallel_size": 1, "pipeline_parallel_size": 1}
+        else "mp",
         disable_log_stats=False,
+        **parallel,
         **kwargs,
     )  # gpu_memory_utilization: set by the caller on a GPU (eaglelab.devices.engine_placement)
 
@@ -195,7 +204,12 @@ def _kv_bytes_per_token(model_dir: str, dtype: str) -> int:
     return c["num_hidden_layers"] * 2 * kv_heads * head_dim * (4 if dtype == "float32" else 2)
 
 
-def cpu_kv_cache_bytes(job: dict, k: int | None) -> int:
+def _hidden_size(model_dir: str) -> int:
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    return {**c.get("text_config", {}), **c}["hidden_size"]
+
+
+def cpu_kv_cache_bytes(job: dict, k: int | None, captured_layers: int = 0) -> int:
     """The KV cache one CPU engine needs for this job: every request of it in flight at once (whole blocks), at
     the target's and the drafter's bytes per token, twice over for what vLLM keeps besides, and never less than one
     request of the context window (vLLM refuses to start with less). vLLM's CPU backend allocates its cache at a
@@ -205,9 +219,13 @@ def cpu_kv_cache_bytes(job: dict, k: int | None) -> int:
         per_token = _kv_bytes_per_token(job["target"], job["dtype"])
         if k is not None:
             per_token += _kv_bytes_per_token(job["drafter"], job["dtype"])
+        if captured_layers:  # a capture engine also caches each token's states at the captured layers
+            per_token += captured_layers * _hidden_size(job["target"]) * (4 if job["dtype"] == "float32" else 2)
     except (OSError, KeyError, TypeError, ValueError, ZeroDivisionError):  # a config of other names: as before
         return CPU_KV_CACHE_MAX
-    if job["mode"] == "generate":
+    if job["mode"] == "capture":
+        requests = [(s, 1) for shard in job["shards"].values() for s in shard["input_ids"]]
+    elif job["mode"] == "generate":
         requests = [
             (p, b + job.get("tail_tokens", 0))
             for shard, prompts in job["shards"].items()
@@ -331,7 +349,7 @@ def _tails(llm, prompts, responses, tail_tokens: int, max_model_len: int) -> lis
 def _regenerate(job: dict) -> dict:
     """Shard by shard, each shard's responses written (atomically) as soon as it is done: a killed engine
     loses at most the shard in flight."""
-    llm = _engine(job)
+    llm = make_engine(job)
     out_dir = Path(job["shard_dir"])
     out_dir.mkdir(parents=True, exist_ok=True)
     seconds, tokens = 0.0, 0
@@ -377,7 +395,7 @@ def _measure(
     job: dict, k: int | None, acceptance: bool, throughput: bool, teardown: bool = True
 ) -> tuple[list[dict], list[dict]]:
     """One engine drafting k tokens (None: no speculation) -> its acceptance rows, then its throughput rows."""
-    llm = _engine(job, k)
+    llm = make_engine(job, k)
     rows = _acceptance(llm, job, k) if acceptance else []
     if rows:
         drafts, accepted = sum(r["drafts"] for r in rows), sum(r["accepted"] for r in rows)
@@ -389,12 +407,13 @@ def _measure(
     return rows, timed
 
 
-def main() -> None:
+def main(handler=None) -> None:
+    """The engine process: `python -m MODULE JOB.json OUT.json` runs `handler(job)` (default: this module's jobs)."""
     ap = argparse.ArgumentParser(description="Run one eaglelab vLLM job (see the module docstring).")
     ap.add_argument("job")
     ap.add_argument("out")
     args = ap.parse_args()
-    result = engine_main(json.loads(Path(args.job).read_text()))
+    result = (handler or engine_main)(json.loads(Path(args.job).read_text()))
     tmp = Path(args.out + ".tmp")
     tmp.write_text(json.dumps(result))
     os.replace(tmp, args.out)  # the caller reads a result only when it is whole

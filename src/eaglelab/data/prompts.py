@@ -330,7 +330,7 @@ def humaneval_prompts() -> list[Messages]:
 
 
 # Sources made from text on the machine, and the held-out evaluation sets (never training data for their own
-# evaluation: `eaglelab.pipeline.select_prompts` drops any overlap).
+# evaluation: `eaglelab.data.stage.select_prompts` drops any overlap).
 BUILTIN_SOURCES: dict[str, Callable[[], list[Messages]]] = {
     "stdlib_docstrings": stdlib_docstring_prompts,
     "pydoc_topics": pydoc_topic_prompts,

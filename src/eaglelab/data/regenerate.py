@@ -21,7 +21,7 @@ from eaglelab.data.capture import aux_hooks
 
 def stop_ids(target) -> set[int]:
     ids = {target.tokenizer.eos_token_id}
-    gen_eos = getattr(target.model.generation_config, "eos_token_id", None)
+    gen_eos = getattr(target.generation_config, "eos_token_id", None)
     ids |= set(gen_eos) if isinstance(gen_eos, list) else {gen_eos}
     return {i for i in ids if i is not None}
 
@@ -150,12 +150,12 @@ def generate_vllm(
     max_length: int,
     workdir: Path,
     tail_tokens: int = 0,
+    parallel: dict | None = None,
 ) -> tuple[dict[int, list[tuple[list[int], list[int]]]], float]:
     """The same greedy continuations and tails from vLLM (its own process; continuous batching within a shard),
     shard by shard: -> ({shard: [(response, tail)]}, seconds spent generating, engine start excluded). Each
     shard's responses reach `workdir/shards/` as soon as the engine has them, and shards already there (from a
-    killed attempt) are not generated again. States are captured afterwards by one HF forward per batch of
-    finished sequences."""
+    killed attempt) are not generated again. States are captured afterwards (eaglelab.data.prepare)."""
     from eaglelab.vllm_engine import run_engine
 
     out_dir = Path(workdir) / "shards"
@@ -172,9 +172,10 @@ def generate_vllm(
                 "tail_tokens": tail_tokens,
                 "shard_dir": str(out_dir),
                 "stop_token_ids": sorted(stop_ids(target)),
-                "dtype": str(target.model.dtype).split(".")[-1],
+                "dtype": str(target.dtype).split(".")[-1],
                 "max_model_len": max_length,
                 "engines": len(todo),  # the progress bar counts shards
+                **(parallel or {}),  # tensor_parallel_size, pipeline_parallel_size
             },
             Path(workdir) / f"engine-{socket.gethostname()}-{os.getpid()}",  # its job and log files: this process's
             desc="regenerate (vLLM)",
