@@ -123,3 +123,15 @@ def test_a_call_sdpa_cannot_fuse_is_reported_as_math():
     with SdpaKernels() as kernels:
         torch.nn.functional.scaled_dot_product_attention(q, q, v)
     assert kernels.log == ["math"]
+
+
+def test_a_data_engine_over_several_devices_takes_the_next_ones_and_the_tightest_share(h100):
+    """data.tensor_parallel_size=2 (substituted H100s): this process's device and the next one, at the share the
+    fuller of the two allows; more devices than are visible is one line naming stage=prepare."""
+    free, _ = h100
+    free[1] = 40 * GiB
+    job, env = engine_placement(devices=2)
+    assert env == {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert 0.48 < job["gpu_memory_utilization"] < 0.49  # (40 − 1) / 80: device 1's room, not device 0's
+    with pytest.raises(EaglelabError, match=r"an engine over 9 devices .* 8 visible; prepare the data alone first"):
+        engine_placement(devices=9)

@@ -59,18 +59,29 @@ def local_cuda_device() -> torch.device:
     return torch.device("cuda", rank)
 
 
-def engine_placement(utilization: float | None = None, beside: int = 0) -> tuple[dict, dict]:
+def engine_placement(utilization: float | None = None, beside: int = 0, devices: int = 1) -> tuple[dict, dict]:
     """-> (job fields, environment) for a vLLM engine process started now by this process: on a CPU box nothing;
     with CUDA, this process's own device and `gpu_memory_utilization` = (free − headroom − beside) / total, measured
     after this process has returned its allocator's cached blocks (`beside`: bytes the engine's process needs next to
-    the engine, e.g. the capture job's LM head). A `utilization` given (eval.vllm.gpu_memory_utilization)
-    is kept, and refused here in one line if it cannot fit what is free."""
+    the engine, e.g. the capture job's LM head). `devices` > 1 (a data engine over tensor × pipeline parallel
+    devices): this device and the next ones visible, the share the one with the least free room allows. A
+    `utilization` given (eval.vllm.gpu_memory_utilization) is kept, and refused here in one line if it cannot fit
+    what is free."""
     if not torch.cuda.is_available():
         return {}, {}
+    from eaglelab.ranks import current as current_ranks
+
     device = local_cuda_device()
+    group = list(range(device.index, device.index + devices))
+    if devices > 1 and (current_ranks().world_size > 1 or group[-1] >= torch.cuda.device_count()):
+        raise EaglelabError(
+            f"an engine over {devices} devices (data.tensor_parallel_size x data.pipeline_parallel_size) needs them "
+            f"free for one process, but this is rank {current_ranks().rank} of {current_ranks().world_size} with "
+            f"{torch.cuda.device_count()} visible; prepare the data alone first (stage=prepare, one process per node)"
+        )
     gc.collect()  # tensors only a reference cycle still holds (a finished trainer's module) are freed first
     torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
+    free, total = min((torch.cuda.mem_get_info(torch.device("cuda", i)) for i in group), key=lambda ft: ft[0] / ft[1])
     held = torch.cuda.memory_reserved(device)
     share = (free - ENGINE_HEADROOM_BYTES - beside) / total
     gib = 1 << 30
@@ -88,8 +99,8 @@ def engine_placement(utilization: float | None = None, beside: int = 0) -> tuple
             "smaller target or set eval.vllm.enabled=false (data.regen_backend=hf)"
         )
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    physical = visible.split(",")[device.index].strip() if visible else str(device.index)
-    return {"gpu_memory_utilization": math.floor(share * 1e4) / 1e4}, {"CUDA_VISIBLE_DEVICES": physical}
+    physical = [visible.split(",")[i].strip() if visible else str(i) for i in group]
+    return {"gpu_memory_utilization": math.floor(share * 1e4) / 1e4}, {"CUDA_VISIBLE_DEVICES": ",".join(physical)}
 
 
 # torch.nn.attention.SDPBackend's values, by the names a profile shows them under.

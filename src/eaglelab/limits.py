@@ -1,9 +1,9 @@
 """Limits checked before any work: does a run of this size fit this data, this target and this machine?
 
 A mistyped size used to surface late and badly: a `train.ttt_steps` far beyond any sequence ran until the kernel
-killed the process (exit 137, no message). `check_limits` runs in `eaglelab.pipeline.execute` once the target is
-loaded (its shape is known) and before regeneration or training starts, and refuses with one line that names the
-setting to change:
+killed the process (exit 137, no message). `check_limits` runs in `eaglelab.pipeline.execute` once the target's
+config and tokenizer are read (its shape is known) and before regeneration or training starts, and refuses with one
+line that names the setting to change:
 
 1. `data.max_length` against the target's context window;
 2. draft depths against the responses they draft on (`eaglelab.config.check_depths_and_lengths`, once more: an
@@ -312,14 +312,14 @@ def estimate_memory(cfg: RunConfig, target: Target, drafter: Eagle3Config, sets:
             f"{worst.bound} ({worst.name})",
             "data.max_length",
         )
-    train = next((s for s in sets if s.name == "train"), None)
+    train = next((s for s in sets if s.name == "train"), None) if cfg.stage == "all" else None
     if train is not None:
         stages["train"] = StageCost(
             int(train_bytes(cfg, t, drafter, train, slack, device)) + (weights if cfg.features.kind != "cached" else 0),
             f"train.batch_size={cfg.train.batch_size} × {train.bound} × train.ttt_steps={cfg.train.ttt_steps}",
             "train.batch_size, data.max_length or train.ttt_steps",
         )
-    if sets:  # on the training device, as training (eaglelab.pipeline moves the drafter there after fit)
+    if sets and cfg.stage == "all":  # on the training device, as training (the pipeline moves the drafter there)
         stages["evaluate"] = evaluation_cost(cfg, t, drafter, sets, slack)
     return MemoryEstimate(device, _held_now(device) + cublas_workspace_bytes(device), free_memory(device), stages)
 

@@ -128,7 +128,8 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
         target = load_target(cfg.target, cfg.paths.cache_dir, device=target_device(cfg.train.accelerator))
         if cfg.checkpoint is None and cfg.features.kind != "cached" and cfg.stage == "all":
             target.load()  # online and hybrid features run it in training: loaded (or refused) before any work
-    weights = target.weights(last_layers=cfg.drafter.num_layers if cfg.drafter.init_layers_from_target else 0)
+    last_layers = cfg.drafter.num_layers if cfg.drafter.init_layers_from_target else 0
+    weights = target.weights(last_layers) if cfg.checkpoint else None  # (training: read after the data stage)
     # 1. The drafter's config: built for this target, or the checkpoint's when only evaluating.
     drafter = load_to_evaluate(cfg, target, weights) if cfg.checkpoint else None
     model_cfg = drafter.cfg if drafter else build_model_config(cfg, target)
@@ -164,6 +165,7 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
     timer.seconds.update(data.seconds, prepare_suites=suites.seconds)
     if cfg.stage == "prepare":  # the cache entries are complete: every trial of this data trains from them
         return {**data.metrics, **{f"time/{k}_s": v for k, v in timer.seconds.items()}} if primary else {}
+    weights = weights or target.weights(last_layers)  # the loaded model's, else read by name (never a second copy)
     serving = Serving(target.path, target.max_context)
     # Online and hybrid features keep the frozen target for training; otherwise it is freed before training.
     online = (

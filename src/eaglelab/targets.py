@@ -50,13 +50,14 @@ class Target:
 
     def __init__(self, path: Path, fingerprint: str, model: torch.nn.Module | None = None, tokenizer=None, *,
                  config=None, dtype: torch.dtype | None = None, device: torch.device | None = None, load=None,
-                 weights_bytes: int | None = None):  # fmt: skip
+                 weights_bytes: int | None = None, local_files_only: bool = True):  # fmt: skip
         self.path = path  # a Hugging Face model folder (config, weights, tokenizer)
         self.fingerprint = fingerprint  # hash of everything that determines the weights and tokenizer
         self.tokenizer = tokenizer
         self._model, self._load = model, load  # the model, or how to load it (size checked first)
         self.config = config if config is not None else model.config
         self.dtype = dtype if dtype is not None else next(model.parameters()).dtype
+        self.local_files_only = local_files_only
         self.device = device if device is not None else next(model.parameters()).device
         # What loading the model adds to this process (the memory check of the stages that load it)
         self.weights_bytes = (
@@ -87,7 +88,7 @@ class Target:
         from transformers import GenerationConfig
 
         try:
-            return GenerationConfig.from_pretrained(self.path, local_files_only=True)
+            return GenerationConfig.from_pretrained(self.path, local_files_only=self.local_files_only)
         except (OSError, ValueError):  # none saved: what transformers derives from the model's config
             return GenerationConfig.from_model_config(self.config)
 
@@ -125,14 +126,15 @@ class Target:
                 layers=[{k: v.detach() for k, v in layer.state_dict().items()} for layer in layers],
             )
         names = tensor_files(self.path)
-        tied = getattr(self.config, "tie_word_embeddings", False)
-        wanted = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight"}
-        wanted["lm_head"] = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        if not names:  # no safetensors here (a hub id, .bin weights): the model itself
+            self.load()
+            return self.weights(last_layers)
+        head = lm_head_names(self.config.to_dict())
+        wanted = {"embed": ["model.embed_tokens.weight"], "norm": ["model.norm.weight"], "lm_head": head}
         prefixes = [f"model.layers.{i}." for i in range(self.num_layers - last_layers, self.num_layers)]
-        wanted.update({n: n for n in names if n.startswith(tuple(prefixes))})
-        read = read_tensors(self.path, {key: [name] for key, name in wanted.items()})
-        read = {key: t.to(self.device, self.dtype) for key, t in read.items()}
-        if tied:
+        wanted.update({n: [n] for n in names if n.startswith(tuple(prefixes))})
+        read = {key: t.to(self.device, self.dtype) for key, t in read_tensors(self.path, wanted).items()}
+        if head[0] == "model.embed_tokens.weight" or "lm_head.weight" not in names:
             read["lm_head"] = read["embed"]  # one tensor, as the loaded model ties them
         layers = [
             {name[len(prefix) :]: t for name, t in read.items() if name.startswith(prefix)} for prefix in prefixes
@@ -157,9 +159,13 @@ class TargetHead:
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.norm.to(h_last.device) * x.to(h_last.dtype)
 
+    def to(self, device, dtype: torch.dtype) -> TargetHead:
+        """The head where and in what the states are (the target's dtype, as its model computes)."""
+        return TargetHead(self.norm.to(device, dtype), self.lm_head.to(device, dtype), self.eps)
+
     def greedy(self, final: torch.Tensor, chunk: int = LOGITS_CHUNK) -> torch.Tensor:
         """argmax of the logits at each position [T, H] -> [T], `chunk` positions at a time (no [T, V] at once)."""
-        head = self.lm_head.to(final.device, final.dtype)
+        head = self.lm_head
         if not len(final):
             return torch.zeros(0, dtype=torch.long, device=final.device)
         return torch.cat([(part @ head.T).argmax(-1) for part in final.split(chunk)])
@@ -196,12 +202,18 @@ def read_tensors(folder: str | Path, wanted: dict[str, list[str]]) -> dict[str, 
     return out
 
 
+def lm_head_names(config: dict) -> list[str]:
+    """Where the LM head's weight is, in the order to look: the embeddings where the config ties them; else its own
+    tensor, or the embeddings where a folder has none (a tied model whose config leaves the flag at its default)."""
+    tied = ["model.embed_tokens.weight"]
+    return tied if config.get("tie_word_embeddings") else ["lm_head.weight", *tied]
+
+
 def target_head(folder: str | Path) -> TargetHead:
     """The final norm and LM head of the target in `folder`, read by tensor name."""
     config = json.loads((Path(folder) / "config.json").read_text())
     config = {**config.get("text_config", {}), **config}
-    head = ["model.embed_tokens.weight"] if config.get("tie_word_embeddings") else ["lm_head.weight"]
-    tensors = read_tensors(folder, {"norm": ["model.norm.weight"], "lm_head": head})
+    tensors = read_tensors(folder, {"norm": ["model.norm.weight"], "lm_head": lm_head_names(config)})
     return TargetHead(tensors["norm"], tensors["lm_head"], float(config.get("rms_norm_eps", 1e-6)))
 
 
@@ -697,6 +709,7 @@ def load_target(cfg: TargetConfig, cache_dir: str | Path, device: torch.device |
         device=device,
         load=load,
         weights_bytes=size.bytes,
+        local_files_only=cfg.local_files_only,
     )
 
 

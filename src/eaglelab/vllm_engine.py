@@ -1,15 +1,17 @@
 """The serving engine in the loop: vLLM drafting with an exported Eagle3 checkpoint, and vLLM as a
-regeneration backend.
+regeneration backend (and, through eaglelab.data.vllm_capture's own job, as the capture backend).
 
 The engine always runs in its own process (`python -m eaglelab.vllm_engine JOB.json OUT.json`), started
 by `run_engine`, so a crash or a hang there cannot take a training run down with it. Inside that
 process vLLM runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, uni executor): on a CPU box that
 cuts engine start from ~22 s to ~4 s and avoids IPC between cores that the model needs, and on one GPU
-it is what vLLM does anyway. Counters are vLLM's own (`vllm:spec_decode_*`): τ = 1 + accepted / drafts.
+it is what vLLM does anyway; a data engine over several devices (`tensor_parallel_size` x
+`pipeline_parallel_size` > 1) has vLLM's own worker processes (`mp` executor). Counters are vLLM's own
+(`vllm:spec_decode_*`): τ = 1 + accepted / drafts.
 
 Jobs (JSON):
   {"mode": "generate", target, shards ({shard: [prompt ids]}), max_tokens ({shard: [per prompt]}), shard_dir,
-   stop_token_ids, dtype, max_model_len}  (generate and capture: tensor_parallel_size, pipeline_parallel_size)
+   stop_token_ids, dtype, max_model_len, tensor_parallel_size, pipeline_parallel_size}
       -> shard_dir/<shard>.json ([[response ids, tail ids]], written as each shard finishes),
          {"seconds", "output_tokens"}; tail: `tail_tokens` greedy ids past the response's end
   {"mode": "evaluate", target, drafter, prompts, max_tokens (one, or one per prompt), stop_token_ids, ks,
@@ -88,7 +90,10 @@ def run_engine(job: dict, workdir: Path, timeout: int = 3600, desc: str = "vLLM"
     job_path, out_path, log_path = workdir / "vllm_job.json", workdir / "vllm_out.json", workdir / "vllm.log"
     out_path.unlink(missing_ok=True)
     # On a GPU: this process's own device, and a memory share of what is free there beside what it holds.
-    placement, device_env = engine_placement(job.get("gpu_memory_utilization"), job.get("beside_engine_bytes", 0))
+    devices = job.get("tensor_parallel_size", 1) * job.get("pipeline_parallel_size", 1)
+    placement, device_env = engine_placement(
+        job.get("gpu_memory_utilization"), job.get("beside_engine_bytes", 0), devices
+    )
     job = {**job, **placement}
     job_path.write_text(json.dumps(job))
     env = {

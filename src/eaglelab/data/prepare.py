@@ -195,7 +195,8 @@ def prepare_features(
         stop_token_ids=stops,
     )
     # (the capture backend is part of the key only when not HF's: entries made before it existed stay valid)
-    captured_by = {"capture": capture_backend} if capture_backend != "hf" else {}
+    # (hybrid's states are computed by the HF target in training, whatever captures a cached run's)
+    captured_by = {"capture": capture_backend} if capture_backend != "hf" and states else {}
     feat_key = cache_key(v=CACHE_VERSION, regen=regen_key, aux=list(aux_layer_ids), final=with_final, **captured_by)
     parallel = {"tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size}
     regen_dir, feat_dir = cache_dir / "regen" / regen_key, cache_dir / "features" / feat_key
@@ -454,7 +455,7 @@ def _capture_vllm(
             "num_layers": target.num_layers,
             "layer_ids": list(aux_layer_ids),
             "with_final": with_final,
-            "storage": str(workdir / "states"),
+            "storage": str(workdir / f"states-{socket.gethostname()}-{os.getpid()}"),  # this process's engine's
             "shards": job_shards,
             "shard_paths": {str(i): str(feat_dir / rows_of[i][0]) for i in todo},
             "engines": len(todo),  # the progress bar counts shards

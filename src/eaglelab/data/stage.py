@@ -20,6 +20,7 @@ from eaglelab.data.prepare import CaptureSettings, PrepareStats, prepare_feature
 from eaglelab.data.prompts import hold_out_for_validation, load_source, mix_sources
 from eaglelab.data.self_chat import self_chat_prompts
 from eaglelab.drafter import Eagle3Config
+from eaglelab.errors import ConfigError
 from eaglelab.ranks import current as current_ranks
 from eaglelab.ranks import same_on_every_rank
 from eaglelab.targets import Target
@@ -167,10 +168,12 @@ def preparing_share() -> tuple[int, int]:
     ranks = current_ranks()
     if ranks.world_size > 1:
         return ranks.rank, ranks.world_size
-    task, count = os.environ.get("SLURM_ARRAY_TASK_ID"), os.environ.get("SLURM_ARRAY_TASK_COUNT")
-    if task is not None and count is not None and task.isdigit() and count.isdigit():
-        minimum = int(os.environ.get("SLURM_ARRAY_TASK_MIN", "0"))
-        return int(task) - minimum, int(count)
+    env = os.environ
+    task, count = env.get("SLURM_ARRAY_TASK_ID", ""), env.get("SLURM_ARRAY_TASK_COUNT", "")
+    if task.isdigit() and count.isdigit() and int(count) > 0:
+        step = int(env.get("SLURM_ARRAY_TASK_STEP") or 1) or 1
+        index = (int(task) - int(env.get("SLURM_ARRAY_TASK_MIN") or 0)) // step  # (--array=0-14:2 is 8 tasks)
+        return index % int(count), int(count)  # (a list such as --array=1,5,7: spread, and still every shard made)
     return 0, 1
 
 
@@ -204,4 +207,10 @@ def capture_backend(cfg: RunConfig, regen: str) -> str:
 
     if cfg.data.capture_backend == "vllm":
         require_vllm()
-    return resolve_capture_backend(cfg.data.capture_backend, regen, torch.cuda.is_available())
+    backend = resolve_capture_backend(cfg.data.capture_backend, regen, torch.cuda.is_available())
+    if backend == "vllm" and cfg.data.pipeline_parallel_size > 1:
+        raise ConfigError(
+            "data.pipeline_parallel_size > 1 with vLLM's capture is untried (its cache-only hidden-states layer lives "
+            "on one pipeline stage); use data.tensor_parallel_size, or data.capture_backend=hf"
+        )
+    return backend

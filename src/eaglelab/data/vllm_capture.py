@@ -14,6 +14,7 @@ Conventions: docs/conventions.md, "Capturing the target's states in vLLM".
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import torch
@@ -27,6 +28,7 @@ from eaglelab.targets import target_head
 from eaglelab.vllm_engine import cuda_available, main, make_engine, progress
 
 MODULE = "eaglelab.data.vllm_capture"  # (run as a script its __name__ is __main__)
+BATCH = 32  # sequences prefilled per generate call: their states files are on disk (and in memory) together
 
 
 class _Copied:
@@ -75,9 +77,10 @@ def engine_settings(layer_ids: list[int], storage: str, cuda: bool) -> dict:
     }
 
 
-def states_of(llm, sequences: list[list[int]]) -> list[torch.Tensor]:
+def states_of(llm, sequences: list[list[int]], deadline_s: float = 600.0) -> list[torch.Tensor]:
     """Each sequence prefilled once (max_tokens=1: the sampled token is not kept) -> its states [T, n, H], in the
-    engine's dtype, n = the engine's layer ids in ascending order (the order the model passes them on)."""
+    engine's dtype, n = the engine's layer ids in ascending order (the order the model passes them on). The
+    connector's files are read and removed at once: a batch's worth is on disk at a time."""
     from vllm import SamplingParams
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
         cleanup_hidden_states,
@@ -87,10 +90,12 @@ def states_of(llm, sequences: list[list[int]]) -> list[torch.Tensor]:
     params = SamplingParams(max_tokens=1, temperature=0.0)
     outs = llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
     paths = [o.kv_transfer_params["hidden_states_path"] for o in outs]
-    engine = llm.llm_engine
+    engine, until = llm.llm_engine, time.monotonic() + deadline_s
     # A finished request's states are copied out on the engine's next step (the connector's metadata travels with
     # it); generate() has returned without one, so the engine is stepped until every file exists.
     while not all(os.path.exists(p) for p in paths):
+        if time.monotonic() > until:  # a failed writer thread is only logged by vLLM: never wait for it forever
+            raise RuntimeError(f"the hidden-states connector wrote no file for {paths[0]} ... in {deadline_s:.0f} s")
         engine.step()
         if not engine.has_unfinished_requests():
             time.sleep(0.001)  # (on CUDA the write is a thread's: nothing to step meanwhile)
@@ -135,19 +140,22 @@ def capture_job(job: dict) -> dict:
     # A sequence that fills the target's window needs one position more for the token each request samples (and
     # that is dropped): the prefill itself never runs past the window.
     os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+    shutil.rmtree(job["storage"], ignore_errors=True)  # a killed attempt's files (this folder is this job's alone)
     settings = engine_settings(engine_ids, job["storage"], cuda_available())
     llm = make_engine(job, settings=settings, captured_layers=len(engine_ids))
-    head = target_head(job["target"])
     device = torch.device("cuda") if cuda_available() else torch.device("cpu")
+    head = target_head(job["target"]).to(device, getattr(torch, job["dtype"]))  # once, as the model computes it
     seconds, tokens = 0.0, 0
     for shard, s in job["shards"].items():
         t0 = time.perf_counter()
-        states = states_of(llm, s["input_ids"])
+        ids = s["input_ids"]
+        states = [st for i in range(0, len(ids), BATCH) for st in states_of(llm, ids[i : i + BATCH])]
         write_states(job["shard_paths"][shard], states, job["layer_ids"], engine_ids, head, s["rows"], s["prompt_len"],
                      job["with_final"], device)  # fmt: skip
         dt, n = time.perf_counter() - t0, sum(len(x) for x in s["input_ids"])
         seconds, tokens = seconds + dt, tokens + n
         progress(f"shard {shard}: {n / dt:.0f} tok/s")
+    shutil.rmtree(job["storage"], ignore_errors=True)
     return {"seconds": seconds, "tokens": tokens}
 
 
