@@ -46,6 +46,7 @@ def run(args) -> dict:
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     target = load_target(TargetConfig(kind="tiny", dtype=dtype, tiny=TinyTargetConfig(tokenizer=args.tokenizer)),
                          cache, device)  # fmt: skip
+    target.load()  # on the device, as a process that runs the HF target (online features, HF capture) holds it
     # The rest of the target's memory: a tensor of --hold-gb on the same device, alive until the end.
     hold = torch.ones(int(args.hold_gb * GIB), dtype=torch.uint8, device=device)
     if device.type == "cuda":

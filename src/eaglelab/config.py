@@ -49,7 +49,7 @@ def resolve_capture_backend(choice: str, regen: str, cuda: bool) -> str:
     """`data.capture_backend` for a run whose regeneration backend is `regen` (resolved): `auto` is vLLM where vLLM
     regenerates on a machine with CUDA (its batched prefill, the target at any tensor or pipeline size, never loaded
     in the training process), HF's capture elsewhere: on a 2-core CPU both prefill ~200 tok/s and vLLM's engine
-    start per prompt set made the default run's data stage 1.2x slower (README)."""
+    start per prompt set made the default run's capture 1.05-1.23x slower (docs/conventions.md)."""
     if choice != "auto":
         return choice
     return "vllm" if regen == "vllm" and cuda else "hf"

@@ -123,11 +123,16 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
     check_suites(cfg)  # bad settings fail before any work
     writable_folder(Path(os.path.expanduser(cfg.paths.cache_dir)), "paths.cache_dir (or EAGLELAB_CACHE_DIR)")
     use_vllm = vllm_wanted(cfg)
-    capture_backend(cfg, regen_backend(cfg))  # a required but missing vLLM fails now
+    regen = regen_backend(cfg)
+    trains_online = cfg.checkpoint is None and cfg.features.kind != "cached" and cfg.stage == "all"
+    # A run whose stages run the HF model (HF regeneration or capture, online features) is refused first when it
+    # cannot hold it (a cache already complete would not need it: the check does not know that yet).
+    hf_model = trains_online or "hf" in (regen, capture_backend(cfg, regen))  # (a required but missing vLLM fails here)
     with timer("convert"):  # the target (SmolLM2's GGUF converted once, then cached), where training runs
-        target = load_target(cfg.target, cfg.paths.cache_dir, device=target_device(cfg.train.accelerator))
-        if cfg.checkpoint is None and cfg.features.kind != "cached" and cfg.stage == "all":
-            target.load()  # online and hybrid features run it in training: loaded (or refused) before any work
+        device = target_device(cfg.train.accelerator)
+        target = load_target(cfg.target, cfg.paths.cache_dir, device=device, will_load=hf_model)
+        if trains_online:
+            target.load()  # online and hybrid features run it in training: loaded before any work
     last_layers = cfg.drafter.num_layers if cfg.drafter.init_layers_from_target else 0
     weights = target.weights(last_layers) if cfg.checkpoint else None  # (training: read after the data stage)
     # 1. The drafter's config: built for this target, or the checkpoint's when only evaluating.

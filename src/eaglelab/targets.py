@@ -649,10 +649,12 @@ def _cannot_load(path: Path, e: Exception) -> TargetError:
     )
 
 
-def load_target(cfg: TargetConfig, cache_dir: str | Path, device: torch.device | str | None = None) -> Target:
+def load_target(
+    cfg: TargetConfig, cache_dir: str | Path, device: torch.device | str | None = None, will_load: bool = False
+) -> Target:
     """The target for `device` (default: the CPU): its folder, tokenizer and config now; its model, frozen, when a
     stage first asks for it (`Target.model`), refused then, before its weights are read, when they would not fit
-    the memory free there."""
+    the memory free there. `will_load`: a stage of this run runs the model, so that refusal comes now, first."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     device = torch.device(device if device is not None else "cpu")
@@ -669,6 +671,8 @@ def load_target(cfg: TargetConfig, cache_dir: str | Path, device: torch.device |
         size = target_size(path, cfg.dtype, cfg.local_files_only)
     except Exception as e:  # the load below would fail the same way: say so now
         raise _cannot_load(path, e) from None
+    if will_load:
+        check_fits(size, device, free_memory(device), path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=cfg.local_files_only)
         config = AutoConfig.from_pretrained(path, local_files_only=cfg.local_files_only)
@@ -676,6 +680,11 @@ def load_target(cfg: TargetConfig, cache_dir: str | Path, device: torch.device |
         raise _cannot_load(path, e) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if not hasattr(config, "rms_norm_eps"):  # (the families the drafter is built for: read off the config at once)
+        raise TargetError(
+            f"target {path} is not a decoder-only causal LM with `model.layers` "
+            "(Llama, Qwen2/3, Mistral families are supported)"
+        )
 
     def load() -> torch.nn.Module:
         # Refused before its weights are read when they would not fit the memory free there now.
