@@ -200,18 +200,18 @@ CPU_BLOCK = 128  # tokens per KV block on vLLM's CPU backend: each request holds
 CPU_KV_CACHE_MAX = 2 << 30  # what every engine got before its cache was sized (2 GiB): larger jobs queue
 
 
+def _config(model_dir: str) -> dict:
+    """A model folder's config.json, a multimodal model's text_config folded in."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    return {**c.get("text_config", {}), **c}
+
+
 def _kv_bytes_per_token(model_dir: str, dtype: str) -> int:
     """K and V of every attention layer of one model, for one token."""
-    c = json.loads((Path(model_dir) / "config.json").read_text())
-    c = {**c.get("text_config", {}), **c}
+    c = _config(model_dir)
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     kv_heads = c.get("num_key_value_heads") or c["num_attention_heads"]
     return c["num_hidden_layers"] * 2 * kv_heads * head_dim * (4 if dtype == "float32" else 2)
-
-
-def _hidden_size(model_dir: str) -> int:
-    c = json.loads((Path(model_dir) / "config.json").read_text())
-    return {**c.get("text_config", {}), **c}["hidden_size"]
 
 
 def cpu_kv_cache_bytes(job: dict, k: int | None, captured_layers: int = 0) -> int:
@@ -225,7 +225,9 @@ def cpu_kv_cache_bytes(job: dict, k: int | None, captured_layers: int = 0) -> in
         if k is not None:
             per_token += _kv_bytes_per_token(job["drafter"], job["dtype"])
         if captured_layers:  # a capture engine also caches each token's states at the captured layers
-            per_token += captured_layers * _hidden_size(job["target"]) * (4 if job["dtype"] == "float32" else 2)
+            per_token += (
+                captured_layers * _config(job["target"])["hidden_size"] * (4 if job["dtype"] == "float32" else 2)
+            )
     except (OSError, KeyError, TypeError, ValueError, ZeroDivisionError):  # a config of other names: as before
         return CPU_KV_CACHE_MAX
     if job["mode"] == "capture":
