@@ -392,3 +392,111 @@ def test_validation_is_held_out_by_count_at_every_data_size(cache_dir, tmp_path)
         assert not {key(p) for p in prompts.train} & {key(p) for p in prompts.validation}
         again = select_prompts(cfg)
         assert [key(p) for p in again.validation] == [key(p) for p in prompts.validation]
+
+
+# A multi-turn JSONL: conversations of 1, 2 and 3 user turns, each answered by the source in words the target would
+# never write.
+def _chats(turns: list[int]) -> list:
+    return [
+        [m for t in range(n) for m in ({"role": "user", "content": f"Question {t} of chat {c}: what is {c} + {t}?"},
+                                       {"role": "assistant", "content": f"SOURCE ANSWER {c}.{t}"})]
+        for c, n in enumerate(turns)
+    ]  # fmt: skip
+
+
+def _multi_turn(tiny, folder, chats, **kw):
+    from eaglelab.data.prompts import load_source
+
+    folder.mkdir(parents=True, exist_ok=True)
+    source = _conversations(folder / "chats.jsonl", chats)
+    kw = dict(name="t", aux_layer_ids=[2, 4], system_prompt=None, max_new_tokens=10, max_length=512, batch_size=4,
+              shard_size=3, tail_tokens=3) | kw  # fmt: skip
+    prompts = load_source(source, with_response=kw.pop("responses", "regenerate") == "original")
+    return prepare_features(tiny, prompts, cache_dir=folder / "c", **kw)
+
+
+def test_every_assistant_turn_is_the_targets_own_answer_and_trained(tiny, tmp_path):
+    """data.turns=all: each conversation is answered turn by turn by the target (the source's answers replaced by
+    its own, in its history), and every answer is a trained span whose tokens are the target's greedy choices;
+    turns=last trains the last answer only, the earlier turns in the source's words. The drafting mask covers the
+    spans and never the user turns between them. One-turn prompts keep their cache entry whatever data.turns says."""
+    from eaglelab.batches import collate
+
+    chats = _chats([1, 2, 3, 3, 2])
+    last, last_stats = _multi_turn(tiny, tmp_path, chats, turns="last")
+    every, stats = _multi_turn(tiny, tmp_path, chats, turns="all")
+    assert every.tokens.folder != last.tokens.folder  # turns are part of the regeneration's key
+    assert stats.sequences == last_stats.sequences == len(chats)
+    decode = tiny.tokenizer.decode
+    for data, turns in ((last, "last"), (every, "all")):
+        for i in range(len(data)):
+            row = data.item(i)
+            ids, p = row["input_ids"], row["prompt_len"]
+            spans = row.get("spans", torch.zeros(0, 2, dtype=torch.long)).tolist()
+            users = decode(ids).count("<|im_start|>user")
+            assert ("SOURCE ANSWER" in decode(ids)) == (turns == "last" and users > 1)
+            assert len(spans) == (users - 1 if turns == "all" else 0)
+            for s, e in [*spans, (p, len(ids))]:  # each answer: the target's greedy tokens after its own history
+                assert 0 < s < e and row["target_next"][s - 1 : e - 1].tolist() == ids[s:e].tolist()
+                assert "<|im_start|>" not in decode(ids[s:e])
+    assert stats.response_tokens > last_stats.response_tokens  # (the assistant tokens trained)
+    assert stats.response_tokens == sum(every.tokens.trained_tokens(r) for r in range(len(every)))
+    batch = collate([every.item(i) for i in range(len(every))])
+    b = int(batch.spans[:, :, 1].gt(0).sum(-1).argmax())  # a conversation of three turns
+    (s0, e0), (s1, e1) = batch.spans[b].tolist()[:2]
+    for j in (1, 3):
+        drafting = batch.drafting(j)[b].nonzero().flatten().tolist()
+        inside = [*range(s0 - 1, e0 - j - 1), *range(s1 - 1, e1 - j - 1)]
+        inside += range(int(batch.prompt_len[b]) - 1, int(batch.seq_len[b]) - j - 1)
+        assert drafting == inside  # the user turns in between, and the template's tokens, are never drafted
+    assert int(batch.first[b]) == s0 - 1
+    one_turn = [c[:2] for c in chats]
+    a = _multi_turn(tiny, tmp_path / "last", one_turn, turns="last")[0]
+    b = _multi_turn(tiny, tmp_path / "all", one_turn, turns="all")[0]
+    assert a.tokens.folder.name == b.tokens.folder.name
+
+
+def test_original_turns_are_each_a_span(tiny, tmp_path):
+    """data.responses=original with turns=all: the source's every assistant turn is a trained span, as the chat
+    template writes it (its text and end-of-turn id)."""
+    data, _ = _multi_turn(tiny, tmp_path, _chats([1, 2, 3]), responses="original", turns="all")
+    decode = tiny.tokenizer.decode
+    for i in range(len(data)):
+        row = data.item(i)
+        ids, p = row["input_ids"].tolist(), row["prompt_len"]
+        spans = [*row.get("spans", torch.zeros(0, 2, dtype=torch.long)).tolist(), (p, len(ids))]
+        said = [decode(ids[s:e]) for s, e in spans]
+        chat = int(re.search(r"of chat (\d+)", decode(ids)).group(1))
+        assert said == [f"SOURCE ANSWER {chat}.{t}<|im_end|>" for t in range(len(spans))]
+
+
+@pytest.mark.slow
+def test_vllm_answers_every_turn_as_hf_does(tiny, tmp_path):
+    """data.regen_backend=vllm with turns=all: one engine answers every round of every conversation (the chat
+    template rendered in its process), and the sequences and their spans are the HF backend's."""
+    chats = _chats([3, 2, 1])
+    hf, _ = _multi_turn(tiny, tmp_path / "hf", chats, turns="all", features="online")
+    engine, _ = _multi_turn(tiny, tmp_path / "vllm", chats, turns="all", features="online", backend="vllm")
+    assert engine["input_ids"] == hf["input_ids"]
+    for i in range(len(hf)):
+        assert hf.tokens.spans(i).tolist() == engine.tokens.spans(i).tolist()
+        assert hf.tokens.tail(i).tolist() == engine.tokens.tail(i).tolist()
+    assert sum(len(hf.tokens.spans(i)) for i in range(len(hf))) == 2 + 1
+
+
+def test_the_cache_key_streams_the_same_hash_json_would_write():
+    """Cache keys are hashed part by part (no string of every token id at once) and equal the hash of json.dumps
+    of the whole, as keys were made before: entries already on disk keep their keys. Token ids may be arrays."""
+    import hashlib
+    from pathlib import Path
+
+    import numpy as np
+
+    from eaglelab.data.prepare import cache_key
+
+    parts = dict(v=5, source="a+b", prompts=[[1, 2, 3], [4]], is_val=[False, True], target={"z": 1, "b": [2]},
+                 path=Path("/x"), turns=[[{"role": "user", "content": "é"}]], empty=[])  # fmt: skip
+    whole = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    assert cache_key(**parts) == whole
+    assert cache_key(**{**parts, "prompts": [np.array(p, np.int32) for p in parts["prompts"]]}) == whole
+    assert cache_key(**{**parts, "prompts": [[1, 2, 3], [5]]}) != whole

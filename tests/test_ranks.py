@@ -121,3 +121,33 @@ def test_ranks_that_built_different_data_stop_with_one_line_on_every_rank():
     assert results[0, 0] is None and results[0, 1] is None
     expected = "the ranks of this trial disagree on the training prompts (a digest) (rank 0: abc, rank 1: abd)"
     assert expected in results[1, 0] and expected in results[1, 1], results
+
+
+BLOCKED_RANK_0 = """
+import signal, subprocess, sys, threading, time
+from eaglelab import ranks
+
+ranks.UNWIND_GRACE_S = 0.5
+signal.signal(signal.SIGTERM, lambda *_: None)  # as rank 0 inside a collective: no handler ever runs
+helper = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+with ranks.last_words(lambda why: open(sys.argv[1], "w").write(why)):
+    ranks._observe([helper], threading.Event())
+    time.sleep(60)
+"""
+
+
+def test_rank_0_blocked_past_the_grace_records_why_before_it_is_ended(tmp_path):
+    """A rank ended badly and rank 0 never unwinds (blocked in a collective, or slow on a crowded machine): the
+    observer ends it after the grace, and what the run registered as its last words (pipeline: the attempt recorded
+    as failed in run.json) runs first, naming the rank."""
+    import subprocess
+    import sys
+    import time
+
+    said = tmp_path / "said"
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", BLOCKED_RANK_0, str(said)], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert proc.returncode == 1 and time.monotonic() - t0 < 50, proc.stderr[-2000:]
+    assert said.read_text().endswith("ended with exit code 3"), said.read_text()
+    assert "still blocked waiting for the ranks that ended" in proc.stderr

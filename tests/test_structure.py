@@ -30,6 +30,7 @@ RANK = {
     "eaglelab.data.templates": 1,
     "eaglelab.data.long_context": 1,
     "eaglelab.data.chat_prompts": 1,
+    "eaglelab.data.turns": 1,  # a conversation's rounds and its assistant turns' spans
     # 2: the target, regenerate, capture, cache, and the limits a run's sizes are checked against
     "eaglelab.targets": 2,
     "eaglelab.limits": 2,

@@ -73,11 +73,18 @@ class Batch:
     target_next: torch.Tensor | None = None  # [B, T] target's greedy next token (None until states are known)
     aux: torch.Tensor | None = None  # [B, T, n·H_t] float32
     final: torch.Tensor | None = None  # [B, T, H_t] target post-norm state (KL only)
+    # [B, S, 2] earlier assistant turns (start, end) of multi-turn conversations, trained on like the response
+    # [prompt_len, seq_len); (0, 0) pads. None: one turn each.
+    spans: torch.Tensor | None = None
 
     @property
     def first(self) -> torch.Tensor:
-        """[B] the first verified position an engine drafts from: the prompt's last token."""
-        return self.prompt_len - 1
+        """[B] the first verified position drafts are made (and trained) from: the last token before the first
+        assistant turn (the prompt's last token, with one turn)."""
+        if self.spans is None:
+            return self.prompt_len - 1
+        starts = self.spans[..., 0].masked_fill(self.spans[..., 1] == 0, 1 << 30)  # [B, S] (padding: never first)
+        return torch.minimum(self.prompt_len, starts.min(-1).values) - 1
 
     @property
     def attention_mask(self) -> torch.Tensor:
@@ -86,9 +93,15 @@ class Batch:
         return (pos < self.seq_len[:, None]).long()
 
     def drafting(self, j: int) -> torch.Tensor:
-        """[B, T] positions t that draft (t >= P-1) and whose j-th draft x_{t+j+1} is in the sequence."""
+        """[B, T] positions t that draft (t >= P-1) and whose j-th draft x_{t+j+1} is in the sequence; in a
+        multi-turn conversation, also those drafting inside an earlier assistant turn [s, e): s-1 <= t, t+j+1 < e
+        (as an engine serving that turn drafts; the user's next turn is never a draft's target)."""
         pos = torch.arange(self.input_ids.shape[1], device=self.input_ids.device)
-        return (pos >= self.first[:, None]) & (pos + j + 1 < self.seq_len[:, None])
+        mask = (pos >= self.prompt_len[:, None] - 1) & (pos + j + 1 < self.seq_len[:, None])
+        if self.spans is not None:
+            s, e = self.spans[..., :1], self.spans[..., 1:]  # [B, S, 1] each
+            mask |= ((pos >= s - 1) & (pos + j + 1 < e) & (e > 0)).any(1)
+        return mask
 
 
 def collate(items: list[dict]) -> Batch:
@@ -106,6 +119,13 @@ def collate(items: list[dict]) -> Batch:
         return torch.stack(out)
 
     aux, final = pad("aux"), pad("final")
+    spans = None
+    if any("spans" in it for it in items):  # [B, S, 2], (0, 0) padding
+        S = max(len(it.get("spans", ())) for it in items)
+        spans = torch.zeros(len(items), S, 2, dtype=torch.long)
+        for b, it in enumerate(items):
+            if "spans" in it:
+                spans[b, : len(it["spans"])] = it["spans"]
     return Batch(
         input_ids=pad("input_ids"),
         prompt_len=torch.tensor([it["prompt_len"] for it in items], device="cpu"),
@@ -115,6 +135,7 @@ def collate(items: list[dict]) -> Batch:
         target_next=pad("target_next", value=-1),
         aux=aux.float() if aux is not None else None,
         final=final.float() if final is not None else None,
+        spans=spans,
     )
 
 

@@ -172,6 +172,10 @@ class DataConfig:
     # regenerate: the target answers every prompt (its own distribution) | original: a jsonl/hf source's own
     # assistant turns, captured as they are (EAGLE-1's fixed data)
     responses: Literal["regenerate", "original"] = "regenerate"
+    # all: a multi-turn conversation's every assistant turn is trained, each the target's own answer to its own
+    # history (answered turn by turn; `original`: the source's turns) | last: only the answer to the last user turn,
+    # the earlier turns context in the source's words (eaglelab.data.turns)
+    turns: Literal["all", "last"] = "all"
     self_chat: SelfChatSettings = field(default_factory=SelfChatSettings)  # how the self_chat source samples
     num_prompts: int = 192  # training prompts
     # validation prompts, drawn from the same sources on top of num_prompts and held out by count: train.keep=best

@@ -28,7 +28,7 @@ from eaglelab.export import TargetShape, load_checkpoint, save_drafter
 from eaglelab.io import atomic_write_text, writable_folder
 from eaglelab.limits import as_disk_full, check_limits, measured_peaks
 from eaglelab.plots import plot_acceptance
-from eaglelab.ranks import broadcast, gather, is_primary, same_on_every_rank, trial_ranks
+from eaglelab.ranks import broadcast, gather, is_primary, last_words, same_on_every_rank, trial_ranks
 from eaglelab.rundir import RunRecord, adopt_trained_settings, begin_attempt, end_attempt
 from eaglelab.suites import SuiteInputs, check_suites, evaluate_suites, prepare_suites
 from eaglelab.targets import Target, TargetWeights, load_target, target_device
@@ -75,8 +75,10 @@ def run_as_primary(cfg: RunConfig, run_dir: Path) -> Path:
     record = begin_attempt(cfg, run_dir)
     if not broadcast(record is not None):  # complete already (the other ranks stop with it)
         return run_dir
+    ended = lambda why: end_attempt(run_dir, record, error=EaglelabError(why))  # noqa: E731  (a rank that died)
     try:
-        metrics = execute(cfg, run_dir, record)
+        with last_words(ended):
+            metrics = execute(cfg, run_dir, record)
         if cfg.logger.kind == "wandb" and cfg.stage == "all":  # (a prepare-only run has no results to show)
             log_to_wandb(cfg, run_dir, metrics, record)
     except BaseException as e:

@@ -82,6 +82,19 @@ class Ranks:
 
 _current = Ranks()  # this process's in its latest trial (one process until a trial says otherwise)
 _helpers_failed: list[str] = []  # what the observer saw: "rank 1 (pid 123) ended with exit code 1"
+_last_words: list = []  # what rank 0 records before the observer ends it (`last_words`)
+
+
+@contextlib.contextmanager
+def last_words(record):
+    """While inside: should the observer have to end this process (rank 0 still blocked in a collective after the
+    grace, e.g. on a crowded machine), `record(why)` runs first, so the attempt is recorded as failed instead of
+    left "running"."""
+    _last_words.append(record)
+    try:
+        yield
+    finally:
+        _last_words.remove(record)
 
 
 def current() -> Ranks:
@@ -311,6 +324,9 @@ def _observe(helpers: list[subprocess.Popen], done: threading.Event) -> None:
             os.kill(main, signal.SIGTERM)
             if not done.wait(UNWIND_GRACE_S):
                 log.error("rank 0 is still blocked waiting for the ranks that ended: exiting")
+                for record in list(_last_words):
+                    with contextlib.suppress(Exception):  # (exiting regardless)
+                        record("; ".join(_helpers_failed))
                 logging.shutdown()
                 os._exit(1)
             return

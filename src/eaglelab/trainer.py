@@ -68,6 +68,7 @@ def train_drafter(
         (int(features.tokens.prompt_len[features.rows[i]]) for i in train_idx),  # (not item() a second time)
         model_cfg.vocab_size,
         model_cfg.draft_vocab_size,
+        spans=(features.tokens.spans(features.rows[i]) for i in train_idx),  # (multi-turn: every assistant turn)
     )
     module = DrafterModule(model_cfg, cfg.train)
     head = init_from_target(

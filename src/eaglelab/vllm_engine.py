@@ -14,6 +14,9 @@ Jobs (JSON):
    stop_token_ids, dtype, max_model_len, tensor_parallel_size, pipeline_parallel_size}
       -> shard_dir/<shard>.json ([[response ids, tail ids]], written as each shard finishes),
          {"seconds", "output_tokens"}; tail: `tail_tokens` greedy ids past the response's end
+     (eaglelab.data.regenerate's own job: shards of multi-turn conversations ({shard: [messages]}),
+     system_prompt and max_new_tokens instead of max_tokens, answered turn by turn (eaglelab.data.turns)
+      -> shard_dir/<shard>.json ([[prompt ids, response ids, tail ids, spans, rounds]]))
   {"mode": "evaluate", target, drafter, prompts, max_tokens (one, or one per prompt), stop_token_ids, ks,
    concurrencies, throughput_ks, throughput_prompts, dtype, max_model_len, groups (optional: {name: {prompts,
    max_tokens}} measured separately instead of `prompts`)}
@@ -232,6 +235,8 @@ def cpu_kv_cache_bytes(job: dict, k: int | None, captured_layers: int = 0) -> in
         return CPU_KV_CACHE_MAX
     if job["mode"] == "capture":
         requests = [(s, 1) for shard in job["shards"].values() for s in shard["input_ids"]]
+    elif job["mode"] == "generate" and "max_tokens" not in job:  # conversations: a prompt grows to the window
+        requests = [(range(job["max_model_len"]), 0) for shard in job["shards"].values() for _ in shard]
     elif job["mode"] == "generate":
         requests = [
             (p, b + job.get("tail_tokens", 0))
@@ -353,20 +358,31 @@ def _tails(llm, prompts, responses, tail_tokens: int, max_model_len: int) -> lis
     return tails
 
 
-def _regenerate(job: dict) -> dict:
+def regenerate_job(job: dict, answer_shard=None) -> dict:
     """Shard by shard, each shard's responses written (atomically) as soon as it is done: a killed engine
-    loses at most the shard in flight."""
+    loses at most the shard in flight. `answer_shard(answer, items) -> (rows, output tokens)` answers one shard's
+    items another way (eaglelab.data.regenerate: multi-turn conversations, turn by turn) with this engine's
+    `answer(prompts, budgets) -> [[response, tail]]`."""
     llm = make_engine(job)
     out_dir = Path(job["shard_dir"])
     out_dir.mkdir(parents=True, exist_ok=True)
     seconds, tokens = 0.0, 0
-    for shard, prompts in job["shards"].items():
-        t0 = time.perf_counter()
-        outs = _generate(llm, prompts, job["max_tokens"][shard], job.get("stop_token_ids"))
+
+    def answer(prompts: list[list[int]], budgets) -> list[list[list[int]]]:
+        outs = _generate(llm, prompts, budgets, job.get("stop_token_ids"))
         tails = _tails(llm, prompts, outs, job.get("tail_tokens", 0), job["max_model_len"])
-        dt, n = time.perf_counter() - t0, sum(len(o) for o in outs)
+        return [[o, t] for o, t in zip(outs, tails)]
+
+    for shard, items in job["shards"].items():
+        t0 = time.perf_counter()
+        if answer_shard is None:
+            rows = answer(items, job["max_tokens"][shard])
+            n = sum(len(o) for o, _ in rows)
+        else:
+            rows, n = answer_shard(answer, items)
+        dt = time.perf_counter() - t0
         tmp = out_dir / f".{shard}.json.tmp"
-        tmp.write_text(json.dumps([[o, t] for o, t in zip(outs, tails)]))
+        tmp.write_text(json.dumps(rows))
         os.replace(tmp, out_dir / f"{shard}.json")
         seconds, tokens = seconds + dt, tokens + n
         progress(f"shard {shard}: {n / dt:.0f} tok/s")
@@ -383,7 +399,7 @@ def engine_main(job: dict) -> dict:
     # coexist: vLLM's in-process distributed state is per process, and a late finaliser would tear
     # down the next engine's.
     if job["mode"] == "generate":
-        return _regenerate(job)
+        return regenerate_job(job)
     result = {"acceptance": [], "throughput": []}
     ks, throughput_ks = set(job["ks"]), set(job.get("throughput_ks") or [])
     # The no-speculation baseline first (same prompts, same process), then one engine per depth.

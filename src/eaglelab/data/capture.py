@@ -79,12 +79,13 @@ def padded(sequences: list[list[int]], pad: int, device) -> tuple[torch.Tensor, 
 
 
 @torch.no_grad()
-def capture_batch(target, sequences: list[list[int]], layer_ids: list[int], prompt_lens: list[int]):
-    """Capture of a batch of finished sequences; yields per sequence (aux [T, n·H], final [T, H], next [T]),
-    on the CPU (where the cache writer needs them)."""
+def capture_batch(target, sequences: list[list[int]], layer_ids: list[int], trained_from: list[int]):
+    """Capture of a batch of finished sequences; yields per sequence (aux [T, n·H], final [T, H], next [T]: labels
+    from position trained_from - 1 on, the sequence's first assistant token's), on the CPU (where the cache writer
+    needs them)."""
     device = next(target.model.parameters()).device
     ids, mask = padded(sequences, target.tokenizer.pad_token_id, device)
-    first = torch.tensor(prompt_lens, device=device) - 1
+    first = torch.tensor(trained_from, device=device) - 1
     aux, final, nxt = capture_states(target.model, ids, mask, layer_ids, first)
     for row, s in enumerate(sequences):
         n = len(s)

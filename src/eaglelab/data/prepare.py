@@ -1,7 +1,7 @@
 """prompts -> regenerate -> capture, each stage cached once under a key that is a hash of everything that
 determines it, so every trial with the same target and data shares it.
 
-    <cache_dir>/regen/<key>/      token shards: input_ids, prompt_len, is_val         (eaglelab.data.store)
+    <cache_dir>/regen/<key>/      token shards: input_ids, prompt_len, is_val, spans  (eaglelab.data.store)
     <cache_dir>/features/<key>/   state shards: aux, target_next, [final]
 
 Prompts are sorted by length (little padding) and cut into shards of `shard_size`; each shard is regenerated,
@@ -24,11 +24,19 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from eaglelab.data.capture import capture_batch
 from eaglelab.data.prompts import Messages
-from eaglelab.data.regenerate import Generated, generate, generate_vllm, response_budget, stop_ids
+from eaglelab.data.regenerate import (
+    chat_turns,
+    generate,
+    generate_vllm,
+    generate_vllm_turns,
+    response_budget,
+    stop_ids,
+)
 from eaglelab.data.store import (
     Sequences,
     StateStore,
@@ -46,6 +54,7 @@ from eaglelab.data.store import (
     write_token_shard,
 )
 from eaglelab.data.templates import template_prompt, template_response
+from eaglelab.data.turns import Conversation, history, is_multi_turn, original_turns, regenerate_turns, rounds
 from eaglelab.errors import DataError, ResourceError
 from eaglelab.io import file_lock
 from eaglelab.limits import free_bytes, size_text
@@ -77,7 +86,27 @@ class PrepareStats:
 
 
 def cache_key(**parts) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    """A hash of `parts` as `json.dumps(parts, sort_keys=True, default=str)` writes them, streamed: a list part
+    (every prompt's token ids: ~7 characters a token) is written and hashed item by item, never as one string of
+    the whole set. Token ids may be numpy arrays (written as their lists)."""
+    digest = hashlib.sha256()
+    dumps = lambda x: json.dumps(x, sort_keys=True, default=_jsonable)  # noqa: E731
+    for n, key in enumerate(sorted(parts)):
+        digest.update(f"{', ' if n else '{'}{dumps(key)}: ".encode())
+        value = parts[key]
+        if isinstance(value, list):  # (json's own separators: "[a, b]")
+            digest.update(b"[")
+            for i, item in enumerate(value):
+                digest.update(f"{', ' if i else ''}{dumps(item)}".encode())
+            digest.update(b"]")
+        else:
+            digest.update(dumps(value).encode())
+    digest.update(b"}")
+    return digest.hexdigest()[:20]
+
+
+def _jsonable(x):
+    return x.tolist() if isinstance(x, np.ndarray) else str(x)
 
 
 @dataclass(frozen=True)
@@ -121,6 +150,7 @@ def prepare_features(
     tail_tokens: int = 0,
     source: str = "",
     share: tuple[int, int] = (0, 1),
+    turns: str = "last",
 ) -> tuple[Sequences, PrepareStats]:
     """Regenerated (and, for `features="cached"`, captured) sequences of `prompts`. `with_final` also stores the
     target's post-norm state (the KL loss's teacher; 25% more bytes with 3 aux layers). `render(tokenizer,
@@ -133,29 +163,49 @@ def prepare_features(
 
     Prompts that end with an assistant turn (`data.responses=original`) keep that turn as their response instead
     of a regenerated one: the target only captures its states over the source's text (EAGLE-1's fixed-data
-    setting; the labels are still the target's greedy tokens, `target_next`). Such sequences have no tail."""
+    setting; the labels are still the target's greedy tokens, `target_next`). Such sequences have no tail.
+
+    `turns="all"` (data.turns): a multi-turn conversation is answered turn by turn by the target (or keeps the
+    source's turns, `original`) and every assistant turn is trained (eaglelab.data.turns: the store's `spans`);
+    "last": its last answer only, the earlier turns context as the source wrote them."""
     cache_dir = Path(cache_dir).expanduser()
     states = features == "cached"
     stats = PrepareStats(prompts=len(prompts))
     limit = min(max_length, target.max_context)
 
-    # 1. Prompts in the target's chat template; those that leave no room for a response are skipped.
+    # 1. Prompts in the target's chat template; those that leave no room for a response are skipped. A multi-turn
+    # conversation answered turn by turn (turns=all) is kept when its first round fits; the rounds that follow are
+    # rendered as the target answers them (eaglelab.data.turns), and its whole rendering (the source's turns) sizes
+    # and sorts it.
     flags = is_val or [False] * len(prompts)  # per prompt: a validation prompt (never trained on)
-    templated, is_val, originals = [], [], []
+    templated, is_val, originals, spans, conversations, multi, sizes = [], [], [], [], [], [], []
     stops = sorted(stop_ids(target))  # part of what determines the sequences, and stored with them
+    chat = lambda m: template_prompt(target.tokenizer, m, system_prompt)  # noqa: E731
+    respond = lambda m, ids: template_response(target.tokenizer, m, system_prompt, ids, set(stops))  # noqa: E731
     for messages, validation in zip(prompts, flags, strict=True):
         question = messages[:-1] if messages[-1]["role"] == "assistant" else messages
-        ids = (
-            render(target.tokenizer, question) if render else template_prompt(target.tokenizer, question, system_prompt)
-        )
+        every_turn = turns == "all" and render is None and is_multi_turn(question)
+        if every_turn and question is not messages:  # the source's turns, each a span
+            said = original_turns(messages, chat, respond)
+            ids, size = said.prompt, len(said.prompt)
+        elif every_turn:
+            ids, size = chat(history(question, rounds(question)[0], [])), len(chat(question))
+        else:
+            ids = render(target.tokenizer, question) if render else chat(question)
+            size = len(ids)
         if len(ids) + 8 > limit:
             stats.skipped_too_long += 1
             continue
-        templated.append(ids)
+        templated.append(np.asarray(ids, np.int32))  # (4 bytes a token: a Python list of ids holds ~36)
         is_val.append(validation)
+        conversations.append(question)
+        multi.append(every_turn)
+        sizes.append(size)
+        spans.append(said.spans if every_turn and question is not messages else [])
         if question is not messages:
-            answer = template_response(target.tokenizer, messages, system_prompt, ids, set(stops))
+            answer = said.response if every_turn else respond(messages, ids)
             originals.append(answer[: response_budget(len(ids), max_new_tokens, limit)])
+    turned = conversations if any(multi) and not originals else None  # answered turn by turn
     if originals and len(originals) != len(templated):
         raise DataError(f"{name}: some prompts end with an assistant turn and some do not; use one kind of source")
     if stats.skipped_too_long:
@@ -173,7 +223,7 @@ def prepare_features(
             "or give more/shorter prompts"
         )
     # Sorted by length (stable), then cut into shards: the store's row order.
-    order = sorted(range(len(templated)), key=lambda i: len(templated[i]))
+    order = sorted(range(len(templated)), key=lambda i: sizes[i])
     shards = [order[s : s + shard_size] for s in range(0, len(order), shard_size)]
     stats.shards = len(shards)
 
@@ -193,6 +243,8 @@ def prepare_features(
         backend=backend,
         tail_tokens=tail_tokens,
         stop_token_ids=stops,
+        # (part of the key only where turns change the sequences: entries of one-turn prompts keep their keys)
+        **({"turns": [c for c, m in zip(conversations, multi) if m]} if any(multi) else {}),
     )
     # (the capture backend is part of the key only when not HF's: entries made before it existed stay valid)
     # (hybrid's states are computed by the HF target in training, whatever captures a cached run's)
@@ -202,7 +254,7 @@ def prepare_features(
     regen_dir, feat_dir = cache_dir / "regen" / regen_key, cache_dir / "features" / feat_key
     state_bytes = len(aux_layer_ids) * target.hidden_size * 2 + 4 + (target.hidden_size * 2 if with_final else 0)
     check_disk_space(
-        cache_dir, name, [len(ids) for ids in templated], shards, regen_dir, feat_dir,
+        cache_dir, name, sizes, shards, regen_dir, feat_dir,
         max_new_tokens=max_new_tokens + tail_tokens, limit=limit, backend=backend,
         state_bytes=state_bytes if features != "online" else 0,  # hybrid writes them in its first epoch
     )  # fmt: skip
@@ -221,13 +273,15 @@ def prepare_features(
     # lock is held only to check it and to mark it complete, so no process waits for another's whole preparation.
     if not stats.regen_cached:
         fused = states and not stats.capture_cached and backend == capture_backend == "hf" and not originals
+        fused = fused and turned is None  # (a multi-turn sequence's earlier answers are labelled by a second pass)
         stats.shards_regenerated = _take_shards(
             len(shards), share, regen_dir,
             lambda todo: _regenerate(
                 target, templated, is_val, shards, regen_dir, feat_dir if fused else None, aux_layer_ids, with_final,
                 max_new_tokens=max_new_tokens, limit=limit, batch_size=batch_size, backend=backend,
                 workdir=cache_dir / "logs" / f"regen-{regen_key}", name=name, tail_tokens=tail_tokens,
-                originals=originals or None, only=todo, parallel=parallel,
+                originals=originals or None, spans=spans, conversations=turned, system_prompt=system_prompt,
+                only=todo, parallel=parallel,
             ),
         )  # fmt: skip
         if share[1] > 1:
@@ -267,7 +321,7 @@ def prepare_features(
     lengths = data.tokens.lengths()
     stats.sequences = len(data)
     stats.tokens = int(lengths.sum())
-    stats.response_tokens = int((lengths - data.tokens.prompt_len).sum())
+    stats.response_tokens = sum(data.tokens.trained_tokens(r) for r in range(len(data.tokens)))  # every turn's
     return data, stats
 
 
@@ -360,44 +414,76 @@ def _shard_rows(shards: list[list[int]]) -> list[tuple[str, list[int]]]:
 def _regenerate(
     target, templated, is_val, shards, regen_dir: Path, feat_dir: Path | None, aux_layer_ids, with_final, *,
     max_new_tokens, limit, batch_size, backend, workdir: Path, name: str, tail_tokens: int,
-    originals: list[list[int]] | None = None, only: list[int], parallel: dict,
+    originals: list[list[int]] | None = None, spans: list, conversations: list | None, system_prompt: str | None,
+    only: list[int], parallel: dict,
 ) -> int:  # fmt: skip
     """The token shards `only` (not yet on disk; with `feat_dir`, their state shards from the same pass, too);
-    `originals`: the sources' own responses, written as they are. -> shards generated."""
+    `originals`: the sources' own responses, written as they are (`spans`: their earlier turns);
+    `conversations`: multi-turn conversations, answered turn by turn (eaglelab.data.turns). -> shards generated."""
     todo = [i for i in only if i not in shards_done(regen_dir)]
     if len(todo) < len(shards) and shards_done(regen_dir):
         log.info("%s: %d of %d shards already regenerated, kept", name, len(shards_done(regen_dir)), len(shards))
+    answered: dict[int, list[Conversation]] = {}  # per shard: its sequences, when made before the loop below
     if originals is not None:
-        responses = {i: [(originals[j], []) for j in shards[i]] for i in todo}
+        answered = {
+            i: [Conversation(templated[j].tolist(), originals[j], [], spans[j], 0) for j in shards[i]] for i in todo
+        }
+    elif backend == "vllm" and conversations is not None:
+        asked = {i: [conversations[j] for j in shards[i]] for i in todo}
+        answered = generate_vllm_turns(target, asked, system_prompt, max_new_tokens, limit, workdir, tail_tokens,
+                                       parallel)  # fmt: skip
     elif backend == "vllm":
-        prompts = {i: [templated[j] for j in shards[i]] for i in todo}
+        prompts = {i: [templated[j].tolist() for j in shards[i]] for i in todo}
         responses, _ = generate_vllm(target, prompts, max_new_tokens, limit, workdir, tail_tokens, parallel)
+        answered = {i: [Conversation(p, *rt, [], 1) for p, rt in zip(prompts[i], responses[i])] for i in todo}
     bar = tqdm(desc=f"regenerate {name}", unit="tok", unit_scale=True, leave=False)
     have_states = shards_done(feat_dir) if feat_dir is not None else set()
     shard_rows = _shard_rows(shards)
     for i in todo:
-        prompts = [templated[j] for j in shards[i]]
         capture = feat_dir is not None and i not in have_states
-        if originals is not None or backend == "vllm":
-            rows = [Generated(k, r, t, None) for k, (r, t) in enumerate(responses[i])]
-        else:
+        if backend == "hf" and conversations is not None and originals is None:  # turn by turn, in this process
+            turns = _hf_turns(target, system_prompt, max_new_tokens, limit, batch_size, tail_tokens)
+            answered[i] = regenerate_turns([conversations[j] for j in shards[i]], **turns)
+        if i in answered:
+            rows = [(c, None) for c in answered.pop(i)]
+        else:  # one turn each, by HF (its states captured in the same pass with `feat_dir`), streamed
+            prompts = [templated[j].tolist() for j in shards[i]]
             layers = list(aux_layer_ids) if capture else None
-            rows = generate(target, prompts, max_new_tokens, limit, batch_size, layers, tail_tokens)
+            generated = generate(target, prompts, max_new_tokens, limit, batch_size, layers, tail_tokens)
+            rows = _in_order(generated, prompts)
         first_row = shard_rows[i][1][0]  # the shard's first row in the store
         tokens = []
         with StateWriter(feat_dir / shard_name(i), with_final) if capture else contextlib.nullcontext() as writer:
-            for k, response, tail, captured in rows:  # in the shard's (length) order
-                assert k == len(tokens), "rows come in the shard's order"
-                budget = response_budget(len(prompts[k]), max_new_tokens, limit)
-                tokens.append((prompts[k] + response, len(prompts[k]), is_val[shards[i][k]], budget, tail))
+            for k, (c, captured) in enumerate(rows):  # in the shard's (length) order
+                budget = response_budget(len(c.prompt), max_new_tokens, limit)
+                flat = [p for span in c.spans for p in span]
+                tokens.append((c.prompt + c.response, len(c.prompt), is_val[shards[i][k]], budget, c.tail, flat))
                 if writer is not None:
                     writer.write(first_row + k, captured["aux"], captured["target_next"], captured["final"])
-                bar.update(len(prompts[k]) + len(response))
+                bar.update(len(c.prompt) + len(c.response))
         write_token_shard(regen_dir / shard_name(i), tokens)
         if backend == "vllm":  # its vLLM responses: now in the token shard
             (workdir / "shards" / f"{i}.json").unlink(missing_ok=True)
     bar.close()
     return len(todo)
+
+
+def _in_order(generated, prompts: list[list[int]]):
+    """HF's one-turn sequences and their states (eaglelab.data.regenerate.generate), checked to come in the shard's
+    (length) order: its k-th is the store's row k of the shard."""
+    for k, g in enumerate(generated):
+        assert g.index == k, "rows come in the shard's order"
+        yield Conversation(prompts[k], g.response, g.tail, [], 1), g.captured
+
+
+def _hf_turns(target, system_prompt, max_new_tokens: int, limit: int, batch_size: int, tail_tokens: int) -> dict:
+    """regenerate_turns' render, generate and decode, by the HF target in this process."""
+
+    def answer(prompts):
+        generated = generate(target, prompts, max_new_tokens, limit, batch_size, None, tail_tokens)
+        return [(g.response, g.tail) for g in sorted(generated, key=lambda g: g.index)]
+
+    return {"generate": answer, "limit": limit, **chat_turns(target.tokenizer, system_prompt, stop_ids(target))}
 
 
 def _capture(
@@ -415,7 +501,7 @@ def _capture(
         with StateWriter(feat_dir / file, with_final) as writer:
             for idx in _batches(list(range(len(rows))), [len(s) for s in seqs], batch_size):
                 captured = capture_batch(
-                    target, [seqs[j] for j in idx], aux_layer_ids, [int(tokens.prompt_len[rows[j]]) for j in idx]
+                    target, [seqs[j] for j in idx], aux_layer_ids, [tokens.trained_from(rows[j]) for j in idx]
                 )
                 for j, (aux, final, nxt) in zip(idx, captured):
                     writer.write(rows[j], aux, nxt, final)
@@ -441,7 +527,7 @@ def _capture_vllm(
         str(i): {
             "input_ids": [tokens.input_ids(r).tolist() for r in rows_of[i][1]],
             "rows": rows_of[i][1],
-            "prompt_len": [int(tokens.prompt_len[r]) for r in rows_of[i][1]],
+            "trained_from": [tokens.trained_from(r) for r in rows_of[i][1]],  # (labels from there on)
         }
         for i in todo
     }

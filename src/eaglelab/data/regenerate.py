@@ -17,6 +17,7 @@ import torch
 
 from eaglelab.acceptance import tail_room
 from eaglelab.data.capture import aux_hooks
+from eaglelab.data.turns import Conversation, regenerate_turns
 
 
 def stop_ids(target) -> set[int]:
@@ -156,28 +157,98 @@ def generate_vllm(
     shard by shard: -> ({shard: [(response, tail)]}, seconds spent generating, engine start excluded). Each
     shard's responses reach `workdir/shards/` as soon as the engine has them, and shards already there (from a
     killed attempt) are not generated again. States are captured afterwards (eaglelab.data.prepare)."""
-    from eaglelab.vllm_engine import run_engine
-
     out_dir = Path(workdir) / "shards"
     todo = {i: p for i, p in shards.items() if not (out_dir / f"{i}.json").is_file()}
     result = {"seconds": 0.0}
     budgets = {i: [response_budget(len(x), max_new_tokens, max_length) for x in p] for i, p in todo.items()}
     if todo:
-        result = run_engine(
-            {
-                "mode": "generate",
-                "target": str(target.path),
-                "shards": {str(i): p for i, p in todo.items()},
-                "max_tokens": {str(i): b for i, b in budgets.items()},
-                "tail_tokens": tail_tokens,
-                "shard_dir": str(out_dir),
-                "stop_token_ids": sorted(stop_ids(target)),
-                "dtype": str(target.dtype).split(".")[-1],
-                "max_model_len": max_length,
-                "engines": len(todo),  # the progress bar counts shards
-                **(parallel or {}),  # tensor_parallel_size, pipeline_parallel_size
-            },
-            Path(workdir) / f"engine-{socket.gethostname()}-{os.getpid()}",  # its job and log files: this process's
-            desc="regenerate (vLLM)",
-        )
+        max_tokens = {str(i): b for i, b in budgets.items()}
+        result = _generate_job(target, todo, max_length, workdir, tail_tokens, parallel, max_tokens=max_tokens)
     return {i: [tuple(rt) for rt in json.loads((out_dir / f"{i}.json").read_text())] for i in shards}, result["seconds"]
+
+
+def _generate_job(target, todo: dict, max_length: int, workdir, tail_tokens: int, parallel: dict | None,
+                  module: str | None = None, **job) -> dict:  # fmt: skip
+    """One vLLM regeneration engine over the shards `todo` (eaglelab.vllm_engine's generate job; `module`: another
+    module's handler of it), its responses written to `workdir/shards/<shard>.json` as each shard finishes."""
+    from eaglelab.vllm_engine import run_engine
+
+    return run_engine(
+        {
+            "mode": "generate",
+            "target": str(target.path),
+            "shards": {str(i): items for i, items in todo.items()},
+            "tail_tokens": tail_tokens,
+            "shard_dir": str(Path(workdir) / "shards"),
+            "stop_token_ids": sorted(stop_ids(target)),
+            "dtype": str(target.dtype).split(".")[-1],
+            "max_model_len": max_length,
+            "engines": len(todo),  # the progress bar counts shards
+            **(parallel or {}),  # tensor_parallel_size, pipeline_parallel_size
+            **job,
+        },
+        Path(workdir) / f"engine-{socket.gethostname()}-{os.getpid()}",  # its job and log files: this process's
+        desc="regenerate (vLLM)",
+        **({"module": module} if module else {}),
+    )
+
+
+def generate_vllm_turns(
+    target,
+    shards: dict[int, list[list[dict]]],
+    system_prompt: str | None,
+    max_new_tokens: int,
+    max_length: int,
+    workdir: Path,
+    tail_tokens: int = 0,
+    parallel: dict | None = None,
+) -> dict[int, list[Conversation]]:
+    """Multi-turn conversations answered turn by turn by vLLM (`turns_job` in the engine's process: one engine
+    start for every round of every shard), shard by shard as generate_vllm does:
+    -> {shard: [eaglelab.data.turns.Conversation]}."""
+    out_dir = Path(workdir) / "shards"
+    todo = {i: c for i, c in shards.items() if not (out_dir / f"{i}.json").is_file()}
+    if todo:  # (conversations: no max_tokens; the engine's process answers them with `turns_job`)
+        _generate_job(target, todo, max_length, workdir, tail_tokens, parallel, module=__name__,
+                      system_prompt=system_prompt, max_new_tokens=max_new_tokens)  # fmt: skip
+    read = lambda i: json.loads((out_dir / f"{i}.json").read_text())  # noqa: E731
+    return {i: [Conversation(p, r, t, [tuple(s) for s in spans], n) for p, r, t, spans, n in read(i)] for i in shards}
+
+
+def turns_job(job: dict) -> dict:
+    """The engine's process (`python -m eaglelab.data.regenerate JOB OUT`): each shard's conversations answered
+    turn by turn with the engine (eaglelab.vllm_engine.regenerate_job), rendered in the target's chat template as
+    the HF backend renders them."""
+    from transformers import AutoTokenizer
+
+    from eaglelab.vllm_engine import regenerate_job
+
+    tokenizer, limit = AutoTokenizer.from_pretrained(job["target"]), job["max_model_len"]
+    chat = chat_turns(tokenizer, job["system_prompt"], set(job["stop_token_ids"]))
+
+    def answer_shard(answer, conversations):
+        def generate(prompts):
+            return answer(prompts, [response_budget(len(p), job["max_new_tokens"], limit) for p in prompts])
+
+        answered = regenerate_turns(conversations, generate=generate, limit=limit, **chat)
+        said = sum(len(c.response) + sum(e - s for s, e in c.spans) for c in answered)
+        return [list(c) for c in answered], said
+
+    return regenerate_job(job, answer_shard)
+
+
+def chat_turns(tokenizer, system_prompt: str | None, stops: set[int]) -> dict:
+    """How both backends hold a conversation (eaglelab.data.turns.regenerate_turns' render and decode): rendered in
+    the target's chat template, each answer kept as its text, the end-of-turn id the template writes left out."""
+    from eaglelab.data.templates import template_prompt
+
+    return {
+        "render": lambda messages: template_prompt(tokenizer, messages, system_prompt),
+        "decode": lambda ids: tokenizer.decode(ids[:-1] if ids and ids[-1] in stops else ids),
+    }
+
+
+if __name__ == "__main__":
+    from eaglelab.vllm_engine import main
+
+    main(turns_job)

@@ -127,6 +127,7 @@ def prepare_data(
             tail_tokens=tail_tokens(2 * cfg.train.ttt_steps),  # validation τ up to k = 2·ttt
             source="+".join(cfg.data.sources) + ("" if cfg.data.responses == "regenerate" else ":original"),
             share=preparing_share(),  # each process regenerates its share of shards first
+            turns=cfg.data.turns,
             **asdict(capture),
         )
     if not evaluate:

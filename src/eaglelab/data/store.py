@@ -1,7 +1,8 @@
 """The on-disk stores of the data path: token shards and state shards, written as they are produced and read
 back one sequence at a time (never a whole split in memory).
 
-    <cache>/regen/<key>/shard-00000.arrow      tokens: input_ids, prompt_len, is_val, max_tokens, tail (1 record batch)
+    <cache>/regen/<key>/shard-00000.arrow      tokens: input_ids, prompt_len, is_val, max_tokens, tail, spans
+                                               (1 record batch)
     <cache>/regen/<key>/complete.json          written last: the entry is whole
     <cache>/features/<key>/shard-00000.arrow   states: aux, [final], target_next (one record batch per sequence)
     <cache>/features/<key>/complete.json       which sequences each shard holds, the state widths
@@ -32,7 +33,10 @@ from eaglelab.io import atomic_file, atomic_write_json, file_lock
 from eaglelab.preemption import uninterruptible
 
 # max_tokens: the sequence's response budget (its request's `max_tokens` when vLLM serves it); tail: the target's
-# greedy continuation past the sequence's end, which a verifier scores drafts past the end against.
+# greedy continuation past the sequence's end, which a verifier scores drafts past the end against; spans: the
+# earlier assistant turns of a multi-turn conversation, trained on too ([start0, end0, start1, end1, ...], positions
+# in input_ids; empty for one turn: the response [prompt_len, len) is always trained). Shards written before spans
+# existed have no such column and read as empty.
 TOKENS = pa.schema(
     [
         ("input_ids", pa.list_(pa.int32())),
@@ -40,6 +44,7 @@ TOKENS = pa.schema(
         ("is_val", pa.bool_()),
         ("max_tokens", pa.int32()),
         ("tail", pa.list_(pa.int32())),
+        ("spans", pa.list_(pa.int32())),
     ]
 )
 COMPLETE = "complete.json"
@@ -69,8 +74,9 @@ def _list(values: np.ndarray, dtype) -> pa.ListArray:
 
 
 # --- writing ----------------------------------------------------------------------------------------
-def write_token_shard(path: Path, rows: list[tuple[list[int], int, bool, int, list[int]]]) -> None:
-    """rows: (input_ids, prompt_len, is_val, max_tokens, tail) per sequence, in the shard's order."""
+def write_token_shard(path: Path, rows: list[tuple]) -> None:
+    """rows: (input_ids, prompt_len, is_val, max_tokens, tail[, spans]) per sequence, in the shard's order."""
+    rows = [(*row, []) if len(row) == 5 else row for row in rows]
     columns = [pa.array(values, field.type) for values, field in zip(zip(*rows), TOKENS)]
     batch = pa.record_batch(columns, TOKENS)
     with uninterruptible("token shard"), atomic_file(path, "wb") as f, pa.ipc.new_file(f, TOKENS) as writer:
@@ -187,6 +193,7 @@ class TokenStore:
         # Per shard: (offsets [n + 1], values) of input_ids and of tail, views into the mapped file.
         self._ids = [_list_arrays(t.column("input_ids")) for t in self._tables]
         self._tails = [_list_arrays(t.column("tail")) for t in self._tables]
+        self._spans = [_list_arrays(t.column("spans")) if "spans" in t.column_names else None for t in self._tables]
         self._starts = np.cumsum([0] + [t.num_rows for t in self._tables])  # sequence i lives in shard k when
         self.prompt_len = self._gather("prompt_len")  # _starts[k] <= i < _starts[k + 1]
         self.max_tokens = self._gather("max_tokens")
@@ -210,6 +217,24 @@ class TokenStore:
         k, j = self._where(i)
         offsets, values = self._tails[k]
         return values[offsets[j] : offsets[j + 1]]
+
+    def spans(self, i: int) -> np.ndarray:
+        """[S, 2] sequence i's earlier assistant turns (start, end), trained on besides [prompt_len, len)."""
+        k, j = self._where(i)
+        if self._spans[k] is None:
+            return np.zeros((0, 2), np.int32)
+        offsets, values = self._spans[k]
+        return values[offsets[j] : offsets[j + 1]].reshape(-1, 2)
+
+    def trained_from(self, i: int) -> int:
+        """The first position of sequence i whose token is trained on: its first assistant turn's start."""
+        spans = self.spans(i)
+        return int(spans[0, 0]) if len(spans) else int(self.prompt_len[i])
+
+    def trained_tokens(self, i: int) -> int:
+        """Assistant tokens of sequence i: every turn's (the losses' positions)."""
+        spans = self.spans(i)
+        return len(self.input_ids(i)) - int(self.prompt_len[i]) + int((spans[:, 1] - spans[:, 0]).sum())
 
     def lengths(self) -> np.ndarray:
         return np.concatenate([np.diff(offsets) for offsets, _ in self._ids])
@@ -302,6 +327,8 @@ class Sequences:
             "seq_len": len(ids),
             "index": r,
         }
+        if len(spans := self.tokens.spans(r)):  # a multi-turn conversation's earlier assistant turns
+            item["spans"] = torch.from_numpy(spans.astype(np.int64))
         if with_tail:
             item["input_ids"] = torch.from_numpy(np.concatenate([ids, self.tokens.tail(r)]).astype(np.int64))
         if with_states and self.states is not None:

@@ -110,21 +110,22 @@ def states_of(llm, sequences: list[list[int]], deadline_s: float = 600.0) -> lis
 
 
 def write_states(path, states: list[torch.Tensor], layer_ids: list[int], engine_ids: list[int], head, rows: list[int],
-                 prompt_lens: list[int], with_final: bool, device) -> None:  # fmt: skip
+                 trained_from: list[int], with_final: bool, device) -> None:  # fmt: skip
     """One state shard (eaglelab.data.store) from the engine's states of its sequences: aux [T, n·H] in `layer_ids`'
     order, the post-norm final state norm(h_L) [T, H] (the KL teacher's input) and the greedy next token from the
-    prompt's last position on (-1 before it, as the HF capture writes them)."""
+    position before each sequence's first assistant token on (`trained_from`; -1 before it, as the HF capture writes
+    them)."""
     from eaglelab.data.store import StateWriter
 
     pick = [engine_ids.index(k) for k in layer_ids]
     last = engine_ids.index(max(engine_ids))  # h_L: the engine's ids end at the target's layer count
     with StateWriter(path, with_final) as writer:
-        for row, hs, prompt_len in zip(rows, states, prompt_lens, strict=True):
+        for row, hs, start in zip(rows, states, trained_from, strict=True):
             hs = hs.to(device)  # [T, n, H]
             aux = hs[:, pick].flatten(1)  # [T, len(layer_ids)·H]
             final = head.final(hs[:, last])  # [T, H]
             target_next = torch.full((len(hs),), -1, dtype=torch.long, device=device)
-            target_next[prompt_len - 1 :] = head.greedy(final[prompt_len - 1 :])
+            target_next[start - 1 :] = head.greedy(final[start - 1 :])
             writer.write(row, aux, target_next, final if with_final else None)
 
 
@@ -134,7 +135,7 @@ def capture_job(job: dict) -> dict:
     token, the last two from the target's own final norm and LM head (read by name; the HF model is never loaded).
 
     Job: {target, dtype, max_model_len, num_layers, layer_ids, with_final, storage (the connector's folder),
-    shards ({shard: {input_ids, rows, prompt_len}}), shard_paths ({shard: state shard file}), tensor_parallel_size,
+    shards ({shard: {input_ids, rows, trained_from}}), shard_paths ({shard: state shard file}), tensor_parallel_size,
     pipeline_parallel_size} -> {"seconds", "tokens"}."""
     engine_ids = sorted(set(job["layer_ids"]) | {job["num_layers"]})  # the aux layers and h_L, in layer order
     # A sequence that fills the target's window needs one position more for the token each request samples (and
@@ -150,8 +151,8 @@ def capture_job(job: dict) -> dict:
         t0 = time.perf_counter()
         ids = s["input_ids"]
         states = [st for i in range(0, len(ids), BATCH) for st in states_of(llm, ids[i : i + BATCH])]
-        write_states(job["shard_paths"][shard], states, job["layer_ids"], engine_ids, head, s["rows"], s["prompt_len"],
-                     job["with_final"], device)  # fmt: skip
+        write_states(job["shard_paths"][shard], states, job["layer_ids"], engine_ids, head, s["rows"],
+                     s["trained_from"], job["with_final"], device)  # fmt: skip
         dt, n = time.perf_counter() - t0, sum(len(x) for x in s["input_ids"])
         seconds, tokens = seconds + dt, tokens + n
         progress(f"shard {shard}: {n / dt:.0f} tok/s")
