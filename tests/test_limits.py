@@ -337,3 +337,28 @@ def test_the_cublas_workspace_is_counted_on_a_gpu(monkeypatch):
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # (what deterministic cuBLAS asks for)
     assert cublas_workspace_bytes(cuda) == 32 * 2**20
     assert cublas_workspace_bytes(torch.device("cpu")) == 0
+
+
+def test_a_conversation_answered_turn_by_turn_is_sized_to_the_limit(cache_dir, tmp_path):
+    """data.turns=all keeps a multi-turn conversation whose first round fits (eaglelab.data.prepare), and its sequence
+    grows turn by turn, each earlier answer up to data.max_new_tokens, whatever the source's answers' length: the
+    memory check sizes it so (here to data.max_length). With turns=last the whole conversation, as the source wrote
+    it, must fit and sizes the sequence; one that does not is skipped."""
+    from eaglelab.limits import prompt_sets
+    from eaglelab.targets import load_target
+
+    def chat(answer: str) -> list:
+        turns = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": answer}]
+        return [*turns, *turns, {"role": "user", "content": "Go on."}]
+
+    long, short, one = chat(" ".join(["lorem"] * 300)), chat("Sure."), [{"role": "user", "content": "What is 2 + 2?"}]
+    sizes = {}
+    for turns in ("all", "last"):
+        overrides = [*SMOKE, f"data.turns={turns}", "data.max_length=256", "data.max_new_tokens=100"]
+        cfg = compose(overrides, cache_dir, tmp_path / turns)
+        target = load_target(cfg.target, cache_dir)
+        (train,) = [s for s in prompt_sets(cfg, target, [long, short, one], [one]) if s.name == "train"]
+        (brief,) = [s for s in prompt_sets(cfg, target, [short, one], [one]) if s.name == "train"]
+        sizes[turns] = (train.sequence, train.trained_on, brief.sequence)
+    assert sizes["all"] == (256, 3, 256)  # (two earlier answers of 100 tokens do not fit beside the last)
+    assert sizes["last"][0] < 256 and sizes["last"][1] == 2 and sizes["last"][2] < 200

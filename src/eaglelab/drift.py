@@ -39,8 +39,10 @@ class _Accumulator:
         self.batch: Batch | None = None
 
     def valid(self, query_t: torch.Tensor, j: int) -> torch.Tensor:
-        b = self.batch
-        return (query_t >= b.first[:, None]) & (query_t + j + 1 < b.seq_len[:, None])  # [B, tq]
+        """[B, tq] the queries at positions `query_t` [B, tq] that make a j-th draft an engine would (Batch.drafting:
+        past the prompt, or inside an assistant turn of a multi-turn conversation)."""
+        drafting = self.batch.drafting(j)  # [B, T]
+        return drafting.gather(1, query_t.clamp(max=drafting.shape[1] - 1))
 
     def add(self, j: int, name: str, values: torch.Tensor, valid: torch.Tensor) -> None:
         """values: [B, tq] (or [B, heads, tq], averaged over heads)."""

@@ -218,24 +218,41 @@ def prompt_sets(
     skipped, as `eaglelab.data.prepare` skips them), and so the longest sequence regeneration can make. The
     training set is prepared from the training and validation prompts together."""
     from eaglelab.data.templates import renderer
+    from eaglelab.data.turns import history, is_multi_turn, longest_prompt, rounds
 
     data, suites = cfg.data, cfg.eval.suites
     native = renderer("native", data.system_prompt)
     sets = []
 
-    def add(name, prompts, render, max_new_tokens, limit, batch, at_limit, trained_on=0):
-        kept = [(n, m) for n, m in ((len(render(target.tokenizer, m)), m) for m in prompts) if n + 8 <= limit]
+    def add(name, prompts, render, max_new_tokens, limit, batch, at_limit, trained_on=0, turn_by_turn=False):
+        kept = [
+            (n, m) for n, m in ((length(m, render, max_new_tokens, turn_by_turn), m) for m in prompts)
+            if fits(m, n, limit, turn_by_turn)
+        ]  # fmt: skip
         if kept:
-            prompt = max(n for n, _ in kept)
+            prompt = min(max(n for n, _ in kept), limit - 8)  # (a conversation answered turn by turn: up to the limit)
             sequence = min(prompt + max_new_tokens, limit)
             bound = at_limit if sequence == limit else f"sequences of up to {sequence} tokens"
             response = min(max_new_tokens, sequence - prompt)
             sets.append(PromptSet(name, batch, prompt, sequence, response, bound, trained_on))
 
+    # As eaglelab.data.prepare keeps and sizes a prompt: it leaves room for an answer; a training conversation the
+    # target answers turn by turn (data.turns=all) when its first round does, sized by its longest last prompt.
+    def length(messages, render, max_new_tokens: int, turn_by_turn: bool) -> int:
+        if turn_by_turn and is_multi_turn(messages):
+            return longest_prompt(messages, lambda m: render(target.tokenizer, m), max_new_tokens)
+        return len(render(target.tokenizer, messages))
+
+    def fits(messages, n: int, limit: int, turn_by_turn: bool) -> bool:
+        if turn_by_turn and is_multi_turn(messages):
+            return len(native(target.tokenizer, history(messages, rounds(messages)[0], []))) + 8 <= limit
+        return n + 8 <= limit
+
     limit, at_limit = min(data.max_length, target.max_context), f"data.max_length={data.max_length}"
-    trained_on = sum(len(native(target.tokenizer, m)) + 8 <= limit for m in train_prompts)  # validation: not trained
+    turns = data.turns == "all" and data.responses == "regenerate"
+    trained_on = sum(fits(m, length(m, native, data.max_new_tokens, turns), limit, turns) for m in train_prompts)
     training_set = [*train_prompts, *validation_prompts]
-    add("train", training_set, native, data.max_new_tokens, limit, data.regen_batch_size, at_limit, trained_on)
+    add("train", training_set, native, data.max_new_tokens, limit, data.regen_batch_size, at_limit, trained_on, turns)
     add("held-out", held_out_prompts, native, cfg.eval.max_new_tokens, limit, data.regen_batch_size, at_limit)
     if suites.templates.enabled:  # the held-out prompts under every condition, in the target's whole window
         for condition in suites.templates.conditions:

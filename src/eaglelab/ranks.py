@@ -302,6 +302,11 @@ def _ended_badly(helpers: list[subprocess.Popen]) -> list[str]:
     ]
 
 
+def _quietly(fn, *args) -> None:
+    with contextlib.suppress(Exception):
+        fn(*args)
+
+
 def _observe(helpers: list[subprocess.Popen], done: threading.Event) -> None:
     """A rank that dies leaves the others in their next collective for as long as its timeout (30 min): when one
     ends badly, the other helpers are ended (SIGKILL: one stuck in a collective never returns to a handler), rank 0
@@ -324,9 +329,11 @@ def _observe(helpers: list[subprocess.Popen], done: threading.Event) -> None:
             os.kill(main, signal.SIGTERM)
             if not done.wait(UNWIND_GRACE_S):
                 log.error("rank 0 is still blocked waiting for the ranks that ended: exiting")
-                for record in list(_last_words):
-                    with contextlib.suppress(Exception):  # (exiting regardless)
-                        record("; ".join(_helpers_failed))
+                why = "; ".join(_helpers_failed)
+                for record in list(_last_words):  # in a thread of its own, given 5 s: exiting regardless
+                    last = threading.Thread(target=_quietly, args=(record, why), daemon=True)
+                    last.start()
+                    last.join(5.0)
                 logging.shutdown()
                 os._exit(1)
             return

@@ -54,7 +54,15 @@ from eaglelab.data.store import (
     write_token_shard,
 )
 from eaglelab.data.templates import template_prompt, template_response
-from eaglelab.data.turns import Conversation, history, is_multi_turn, original_turns, regenerate_turns, rounds
+from eaglelab.data.turns import (
+    Conversation,
+    history,
+    is_multi_turn,
+    longest_prompt,
+    original_turns,
+    regenerate_turns,
+    rounds,
+)
 from eaglelab.errors import DataError, ResourceError
 from eaglelab.io import file_lock
 from eaglelab.limits import free_bytes, size_text
@@ -175,8 +183,8 @@ def prepare_features(
 
     # 1. Prompts in the target's chat template; those that leave no room for a response are skipped. A multi-turn
     # conversation answered turn by turn (turns=all) is kept when its first round fits; the rounds that follow are
-    # rendered as the target answers them (eaglelab.data.turns), and its whole rendering (the source's turns) sizes
-    # and sorts it.
+    # rendered as the target answers them (eaglelab.data.turns), and the longest its last prompt can be sizes and
+    # sorts it.
     flags = is_val or [False] * len(prompts)  # per prompt: a validation prompt (never trained on)
     templated, is_val, originals, spans, conversations, multi, sizes = [], [], [], [], [], [], []
     stops = sorted(stop_ids(target))  # part of what determines the sequences, and stored with them
@@ -189,7 +197,7 @@ def prepare_features(
             said = original_turns(messages, chat, respond)
             ids, size = said.prompt, len(said.prompt)
         elif every_turn:
-            ids, size = chat(history(question, rounds(question)[0], [])), len(chat(question))
+            ids, size = chat(history(question, rounds(question)[0], [])), longest_prompt(question, chat, max_new_tokens)
         else:
             ids = render(target.tokenizer, question) if render else chat(question)
             size = len(ids)
@@ -445,7 +453,12 @@ def _regenerate(
             turns = _hf_turns(target, system_prompt, max_new_tokens, limit, batch_size, tail_tokens)
             answered[i] = regenerate_turns([conversations[j] for j in shards[i]], **turns)
         if i in answered:
-            rows = [(c, None) for c in answered.pop(i)]
+            made = answered.pop(i)
+            if lost := sum(max(c.rounds - 1 - len(c.spans), 0) for c in made):  # (eaglelab.data.turns.locate)
+                log.warning("%s: %d earlier answers of shard %d are not where the chat template put them in the last "
+                            "round's prompt (a template that renders earlier turns anew); they stay context, untrained",
+                            name, lost, i)  # fmt: skip
+            rows = [(c, None) for c in made]
         else:  # one turn each, by HF (its states captured in the same pass with `feat_dir`), streamed
             prompts = [templated[j].tolist() for j in shards[i]]
             layers = list(aux_layer_ids) if capture else None

@@ -48,6 +48,17 @@ def is_multi_turn(messages: Messages) -> bool:
     return len(rounds(messages)) > 1
 
 
+TURN_TOKENS = 16  # what a chat template writes around one assistant turn (its markers and newlines), with room
+
+
+def longest_prompt(messages: Messages, render: Callable[[Messages], list[int]], max_new_tokens: int) -> int:
+    """At most how many tokens a conversation's last round's prompt holds when the target answers it turn by turn:
+    its system and user turns as the template renders them, and each earlier answer at its full budget (what sizes
+    its sequence for the memory and disk checks, whatever the source's own answers' length)."""
+    asked = rounds(messages)
+    return len(render(history(messages, asked[-1], []))) + (len(asked) - 1) * (max_new_tokens + TURN_TOKENS)
+
+
 def history(messages: Messages, upto: int, answers: list[str]) -> Messages:
     """The conversation up to user turn `upto` with the answer to each earlier answered user turn replaced by
     `answers` (in order); the source's other assistant turns are dropped (they are not the target's words)."""
