@@ -93,11 +93,12 @@ def kill_at(point: str, run_dir: Path, cache_dir: Path, overrides: list[str], ti
 
 def compare(run_dir: Path, reference: Path) -> tuple[bool, bool, list[str]]:
     """(weights bitwise equal, metrics equal, differing metric names) — timings and memory figures (measured
-    peak RSS; the estimate starts from the RSS at check time) are measurements, not results."""
+    peak RSS; the estimate starts from the RSS at check time) are measurements, not results, and so is the work
+    an attempt did (data/shards_prepared: shards made by this attempt; an earlier attempt made the others)."""
     a, b = load_file(run_dir / "drafter" / "model.safetensors"), load_file(reference / "drafter" / "model.safetensors")
     weights = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     ma, mb = (json.loads((d / "metrics.json").read_text()) for d in (run_dir, reference))
-    measured = ("time/", "memory/")
+    measured = ("time/", "memory/", "data/shards_prepared")
     differ = sorted(k for k in set(ma) | set(mb) if not k.startswith(measured) and ma.get(k) != mb.get(k))
     return weights, not differ, differ
 
