@@ -1,6 +1,9 @@
 # The two commands of README.md: `make run` (the main job on the embedded target) and `make test`.
 PYTHON ?= python3
 export PYTHON
+# CUDA or CPU builds of torch and vLLM: auto asks nvidia-smi; `make setup DEVICE=cuda` on a login node without GPUs.
+DEVICE ?= auto
+export DEVICE
 
 RESULTS ?= results
 

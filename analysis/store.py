@@ -36,6 +36,7 @@ RESULT_TABLES = [
     "per_prompt.csv",
     "per_prompt_depth.csv",
     "throughput.csv",
+    "sampling.csv",
     "suites/extrapolation.csv",
     "suites/long_context.csv",
     "suites/templates.csv",

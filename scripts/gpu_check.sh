@@ -186,8 +186,11 @@ if not rows:
 nan = float("nan")
 for r in (r for r in rows if r["method"] != "none"):
     k, c, rate, speedup = r["k"], r["concurrency"], float(r["output_tokens_per_s"]), float(r["speedup"])
+    lo, hi = float(r.get("speedup_ci_low") or nan), float(r.get("speedup_ci_high") or nan)
     tau, sim = m.get(f"vllm/acceptance_length@k{k}", nan), m.get(f"acceptance_length@k{k}", nan)
-    print(f"  vLLM eagle3 k={k} concurrency {c:>2}: {rate:>7.0f} tok/s, speedup {speedup:.2f}x (τ {tau:.2f}, simulated {sim:.2f})")
+    print(f"  vLLM served eagle3 k={k} concurrency {c:>2}: {rate:>7.0f} tok/s, speedup {speedup:.2f}x [{lo:.2f}, {hi:.2f}], "
+          f"TTFT p50 {float(r.get('ttft_p50_ms') or nan):.0f} ms, TPOT p50 {float(r.get('tpot_p50_ms') or nan):.1f} ms "
+          f"(τ {tau:.2f}, simulated {sim:.2f})")
 PY
 
 # --- gpu -------------------------------------------------------------------------------------

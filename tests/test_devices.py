@@ -135,3 +135,28 @@ def test_a_data_engine_over_several_devices_takes_the_next_ones_and_the_tightest
     assert 0.48 < job["gpu_memory_utilization"] < 0.49  # (40 − 1) / 80: device 1's room, not device 0's
     with pytest.raises(EaglelabError, match=r"an engine over 9 devices .* 8 visible; prepare the data alone first"):
         engine_placement(devices=9)
+
+
+def test_a_gpu_job_on_a_cpu_only_install_is_one_line_naming_the_fix(tmp_path):
+    """torch here is the CPU build, as `make setup` installs it on a machine where nvidia-smi finds no GPU (a login
+    node): a job given GPUs (by Slurm, CUDA_VISIBLE_DEVICES, or the driver's device nodes) or asking for one stops
+    before any work; a CPU job, or one on a machine without GPUs, goes on."""
+    from eaglelab.devices import check_torch_build
+
+    assert torch.version.cuda is None, "this test needs the CPU build of torch (the CPU box's)"
+    no_gpu = tmp_path / "dev"
+    no_gpu.mkdir()
+    check_torch_build("auto", environ={}, dev=str(no_gpu))
+    check_torch_build("cpu", environ={"SLURM_JOB_GPUS": "0"}, dev=str(no_gpu))
+    check_torch_build("auto", environ={"CUDA_VISIBLE_DEVICES": ""}, dev=str(no_gpu))
+    for accelerator, environ in [
+        ("gpu", {}),
+        ("auto", {"SLURM_JOB_GPUS": "0,1"}),
+        ("auto", {"SLURM_GPUS_ON_NODE": "8"}),
+        ("auto", {"CUDA_VISIBLE_DEVICES": "0"}),
+    ]:
+        with pytest.raises(EaglelabError, match=r"CPU build of torch .*make setup DEVICE=cuda"):
+            check_torch_build(accelerator, environ=environ, dev=str(no_gpu))
+    (no_gpu / "nvidia0").touch()  # the driver's device node: a GPU machine
+    with pytest.raises(EaglelabError, match="DEVICE=cuda"):
+        check_torch_build("auto", environ={}, dev=str(no_gpu))

@@ -20,6 +20,7 @@ RANK = {
     "eaglelab.drafter": 0,
     "eaglelab.config": 0,
     "eaglelab.vllm_engine": 0,
+    "eaglelab.serving": 0,  # decode speed as served, in the engine process (vLLM's server and benchmark)
     "eaglelab.rundir": 0,
     "eaglelab.strict_device": 0,  # a test mode: tensor factories in eaglelab name their device
     "eaglelab.devices": 0,  # the process's CUDA device and an engine's share of it

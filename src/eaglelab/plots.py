@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import math
 from pathlib import Path
 
 import matplotlib
@@ -140,7 +141,12 @@ def plot_speedup(run_dir: Path, title: str) -> Path:
         xs = [j + i * width for j in range(len(conc))]
         ax1.bar(xs, [float(sel[c]["output_tokens_per_s"]) for c in conc], width, color=color, label=label)
         if method != "none":
-            ax2.plot(conc, [float(sel[c]["speedup"]) for c in conc], "o-", color=color, label=label)
+            y = [float(sel[c]["speedup"]) for c in conc]
+            lo, hi = ([float(sel[c].get(f"speedup_ci_{e}") or "nan") for c in conc] for e in ("low", "high"))
+            err = [[v - low for v, low in zip(y, lo)], [high - v for v, high in zip(y, hi)]]
+            ax2.errorbar(
+                conc, y, yerr=None if any(map(math.isnan, lo)) else err, fmt="o-", color=color, capsize=3, label=label
+            )
     ax1.set(
         xlabel="concurrent requests",
         ylabel="output throughput (tokens/s)",
@@ -161,7 +167,8 @@ def plot_speedup(run_dir: Path, title: str) -> Path:
     )
     ax2.legend(frameon=False, fontsize=8)
     ax2.grid(alpha=0.3)
-    fig.suptitle(f"{title} — vLLM, greedy", fontsize=10)
+    passes = int(rows[0].get("passes") or 1)
+    fig.suptitle(f"{title} — vLLM served, greedy; 95% interval over {passes} passes a side", fontsize=10)
     out = run_dir / "speedup.png"
     fig.savefig(out, dpi=120)
     plt.close(fig)

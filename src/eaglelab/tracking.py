@@ -37,6 +37,8 @@ TABLES = [
     "depth_accuracy.csv",
     "parity.csv",
     "throughput.csv",
+    "throughput_passes.csv",
+    "sampling.csv",
     "suites/extrapolation.csv",
     "suites/long_context.csv",
     "suites/templates.csv",

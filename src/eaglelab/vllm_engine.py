@@ -18,13 +18,15 @@ Jobs (JSON):
      system_prompt and max_new_tokens instead of max_tokens, answered turn by turn (eaglelab.data.turns)
       -> shard_dir/<shard>.json ([[prompt ids, response ids, tail ids, spans, rounds]]))
   {"mode": "evaluate", target, drafter, prompts, max_tokens (one, or one per prompt), stop_token_ids, ks,
-   concurrencies, throughput_ks, throughput_prompts, dtype, max_model_len, groups (optional: {name: {prompts,
-   max_tokens}} measured separately instead of `prompts`)}
-      -> {"acceptance": [{group, k, drafts, accepted, accepted_per_pos, outputs}],
-          "throughput": [{method, k, concurrency, prompts, output_tokens, seconds}]}
-Concurrency c means at most c requests in flight: a new one is submitted as one finishes, as `vllm bench serve
---max-concurrency c` drives a server. One engine per drafter depth serves every c (and the acceptance pass at that
-k first), so an evaluation starts |ks ∪ throughput_ks| engines, plus one without speculation when speed is timed.
+   temperatures (optional, default [0]), dtype, max_model_len, groups (optional: {name: {prompts, max_tokens}}
+   measured separately instead of `prompts`);
+   to time decode speed besides: throughput_ks, concurrencies, timed_prompts, timed_max_tokens, waves, repeats,
+   temperature, log_dir}
+      -> {"acceptance": [{group, k, temperature, drafts, accepted, accepted_per_pos, outputs}],
+          "throughput": [one row per timed pass (eaglelab.serving)]}
+Acceptance: one in-process engine per depth k in `ks`, greedy, its counters read across each group's generate call.
+Decode speed is measured as served: vLLM's OpenAI server without speculation, then with the drafter at each
+`throughput_ks`, driven by vLLM's own serving benchmark (eaglelab.serving).
 """
 
 from __future__ import annotations
@@ -254,13 +256,23 @@ def cpu_kv_cache_bytes(job: dict, k: int | None, captured_layers: int = 0) -> in
     return max(one_request, min(2 * blocks * CPU_BLOCK * per_token, CPU_KV_CACHE_MAX))
 
 
-def _generate(llm, prompts: list[list[int]], max_tokens, stop_token_ids=None, ignore_eos: bool = False):
+def _generate(
+    llm, prompts: list[list[int]], max_tokens, stop_token_ids=None, ignore_eos: bool = False, temperature: float = 0.0
+):
+    """Outputs (token ids) of greedy decoding, or of sampling at `temperature`, request i seeded with i (the same
+    draws for every drafter and depth: acceptance under speculative sampling compared on equal terms)."""
     from vllm import SamplingParams
 
     budgets = _budgets(max_tokens, len(prompts))
     params = [
-        SamplingParams(temperature=0.0, max_tokens=b, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
-        for b in budgets
+        SamplingParams(
+            temperature=temperature,
+            seed=i if temperature > 0 else None,
+            max_tokens=b,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=ignore_eos,
+        )
+        for i, b in enumerate(budgets)
     ]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
@@ -271,74 +283,34 @@ def _budgets(max_tokens, n: int) -> list[int]:
     return list(max_tokens) if isinstance(max_tokens, list) else [max_tokens] * n
 
 
-def _generate_at_concurrency(llm, prompts: list[list[int]], budgets: list[int], stop_token_ids, concurrency: int):
-    """Greedy outputs with at most `concurrency` requests in the engine: the next prompt is submitted as soon as one
-    finishes (continuous batching keeps c in flight, whatever the engine's max_num_seqs)."""
-    from vllm import SamplingParams
-
-    engine, waiting, outputs = llm.llm_engine, list(range(len(prompts))), {}
-    while waiting or engine.has_unfinished_requests():
-        while waiting and engine.get_num_unfinished_requests() < concurrency:
-            i = waiting.pop(0)
-            params = SamplingParams(temperature=0.0, max_tokens=budgets[i], stop_token_ids=stop_token_ids)
-            # our own request id: outputs carry it back (the engine adds a suffix to the ids it makes itself)
-            engine.add_request(f"timed-{concurrency}-{i}", {"prompt_token_ids": prompts[i]}, params)
-        for out in engine.step():
-            if out.finished:
-                outputs[int(out.request_id.rsplit("-", 1)[1])] = list(out.outputs[0].token_ids)
-    return [outputs[i] for i in range(len(prompts))]
-
-
-def _throughput(llm, job: dict, method: str, k: int | None) -> list[dict]:
-    """Output tokens and seconds at each concurrency, on one engine. Before each timed pass the prefix cache is
-    emptied, so no pass (nor the acceptance pass before it) prefills another's prompts for it."""
-    _generate(llm, job["prompts"][:1], 4)  # warm-up: first-call allocations are not decode speed
-    rows = []
-    for c in job["concurrencies"]:
-        timed = job["prompts"][: max(job["throughput_prompts"], 2 * c)]  # the caller sets it (eval.vllm)
-        budgets = _budgets(job["max_tokens"], len(job["prompts"]))[: len(timed)]
-        llm.reset_prefix_cache()
-        t0 = time.perf_counter()
-        outs = _generate_at_concurrency(llm, timed, budgets, job.get("stop_token_ids"), c)
-        seconds, tokens = time.perf_counter() - t0, sum(len(o) for o in outs)
-        rows.append(
-            {
-                "method": method,
-                "k": k or 0,
-                "concurrency": c,
-                "prompts": len(timed),
-                "output_tokens": tokens,
-                "seconds": seconds,
-            }
-        )
-        progress(f"{method} k={k or 0} c={c}: {tokens / seconds:.1f} tok/s")
-    return rows
-
-
 def _groups(job: dict) -> dict:
     """The prompt groups an evaluate job measures separately; without any, its prompts are one unnamed group."""
     return job.get("groups") or {"": {"prompts": job["prompts"], "max_tokens": job["max_tokens"]}}
 
 
 def _acceptance(llm, job: dict, k: int) -> list[dict]:
-    """Counters per prompt group at draft depth k: vLLM's counters are cumulative, so each group's share is the
-    difference across its generate call."""
-    groups = _groups(job)
+    """Counters per prompt group and temperature at draft depth k (greedy first; `temperatures`, default [0], adds
+    speculative sampling): vLLM's counters are cumulative, so each pass's share is the difference across its
+    generate call."""
     rows, before = [], _spec_counters(llm, k)
-    for name, group in groups.items():
-        outs = _generate(llm, group["prompts"], group["max_tokens"], job.get("stop_token_ids"))
-        after = _spec_counters(llm, k)
-        rows.append(
-            {
-                "group": name,
-                "k": k,
-                "drafts": after[0] - before[0],
-                "accepted": after[1] - before[1],
-                "accepted_per_pos": [a - b for a, b in zip(after[2], before[2])],
-                "outputs": outs,
-            }
-        )
-        before = after
+    for temperature in job.get("temperatures") or [0.0]:
+        for name, group in _groups(job).items():
+            outs = _generate(
+                llm, group["prompts"], group["max_tokens"], job.get("stop_token_ids"), temperature=temperature
+            )
+            after = _spec_counters(llm, k)
+            rows.append(
+                {
+                    "group": name,
+                    "k": k,
+                    "temperature": temperature,
+                    "drafts": after[0] - before[0],
+                    "accepted": after[1] - before[1],
+                    "accepted_per_pos": [a - b for a, b in zip(after[2], before[2])],
+                    "outputs": outs,
+                }
+            )
+            before = after
     return rows
 
 
@@ -401,33 +373,33 @@ def engine_main(job: dict) -> dict:
     if job["mode"] == "generate":
         return regenerate_job(job)
     result = {"acceptance": [], "throughput": []}
-    ks, throughput_ks = set(job["ks"]), set(job.get("throughput_ks") or [])
-    # The no-speculation baseline first (same prompts, same process), then one engine per depth.
-    depths = ([None] if throughput_ks else []) + sorted(ks | throughput_ks)
-    for i, k in enumerate(depths):
-        last = i == len(depths) - 1  # the process exits after it: no teardown to wait for
-        acceptance, throughput = _measure(
-            job, k, acceptance=k in ks, throughput=k is None or k in throughput_ks, teardown=not last
-        )
-        result["acceptance"] += acceptance
-        result["throughput"] += throughput
+    ks, served = sorted(job["ks"]), bool(job.get("throughput_ks") and job.get("concurrencies"))
+    for i, k in enumerate(ks):  # one in-process engine per depth: counters and outputs (the process exits after
+        result["acceptance"] += _acceptance_at(job, k, teardown=served or i < len(ks) - 1)  # the last: no teardown)
+    if served:  # then served: no speculation, then each timed depth (eaglelab.serving)
+        from eaglelab.serving import served_throughput
+
+        if cuda_available():  # what the in-process engines' allocator kept is the servers' to use
+            import torch
+
+            torch.cuda.empty_cache()
+
+        for k in [None, *sorted(job["throughput_ks"])]:
+            result["throughput"] += served_throughput(job, k, Path(job["log_dir"]))
     return result
 
 
-def _measure(
-    job: dict, k: int | None, acceptance: bool, throughput: bool, teardown: bool = True
-) -> tuple[list[dict], list[dict]]:
-    """One engine drafting k tokens (None: no speculation) -> its acceptance rows, then its throughput rows."""
+def _acceptance_at(job: dict, k: int, teardown: bool = True) -> list[dict]:
+    """One engine drafting k tokens -> its acceptance rows."""
     llm = make_engine(job, k)
-    rows = _acceptance(llm, job, k) if acceptance else []
-    if rows:
-        drafts, accepted = sum(r["drafts"] for r in rows), sum(r["accepted"] for r in rows)
-        progress(f"k={k}: tau={1 + accepted / max(drafts, 1):.3f}")
-    timed = _throughput(llm, job, "eagle3" if k else "none", k) if throughput else []
-    if teardown:  # ~2 s: the next engine may start only once this one's distributed state is gone
+    rows = _acceptance(llm, job, k)
+    greedy = [r for r in rows if r["temperature"] == 0]
+    drafts, accepted = sum(r["drafts"] for r in greedy), sum(r["accepted"] for r in greedy)
+    progress(f"k={k}: tau={1 + accepted / max(drafts, 1):.3f}")
+    if teardown:  # ~2 s: the next engine (or a server) may start only once this one's distributed state is gone
         del llm
         gc.collect()
-    return rows, timed
+    return rows
 
 
 def main(handler=None) -> None:

@@ -139,6 +139,7 @@ def prepare_data(
         source=cfg.eval.prompts,
         max_new_tokens=cfg.eval.max_new_tokens,
         tail_tokens=tail_tokens(max_k(cfg)),
+        with_final=any(cfg.eval.temperature),  # the target's distribution: sampling's simulated expectation
         **asdict(capture),
     )
     for stage in ("regenerate", "capture"):

