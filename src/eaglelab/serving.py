@@ -197,9 +197,8 @@ def kv_cache_bytes(job: dict, k: int | None) -> int | None:
             "": {"prompts": [job["timed_prompts"][longest]] * c, "max_tokens": job["timed_max_tokens"][longest]}
         },
     }
-    return 2 * cpu_kv_cache_bytes(
-        sized, k
-    )  # twice: the cache is shared, and vLLM preempts rather than queues when short
+    # Twice: the cache is shared, and vLLM preempts rather than queues when short.
+    return 2 * cpu_kv_cache_bytes(sized, k)
 
 
 def served_throughput(job: dict, k: int | None, log_dir: Path) -> list[dict]:

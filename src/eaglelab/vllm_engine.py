@@ -24,7 +24,8 @@ Jobs (JSON):
    temperature, log_dir}
       -> {"acceptance": [{group, k, temperature, drafts, accepted, accepted_per_pos, outputs}],
           "throughput": [one row per timed pass (eaglelab.serving)]}
-Acceptance: one in-process engine per depth k in `ks`, greedy, its counters read across each group's generate call.
+Acceptance: one in-process engine per depth k in `ks`, its counters read across each group's generate call (greedy,
+then once per sampled temperature).
 Decode speed is measured as served: vLLM's OpenAI server without speculation, then with the drafter at each
 `throughput_ks`, driven by vLLM's own serving benchmark (eaglelab.serving).
 """
