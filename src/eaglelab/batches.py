@@ -342,6 +342,7 @@ def expected_acceptance(
     max_k: int,
     temperature: float,
     draft_sampling: str = "greedy",
+    outs: list | None = None,
 ) -> tuple[int, list[float]]:
     """Speculative sampling at `temperature`, simulated along the stored continuation. The target accepts the j-th
     draft of a round from s with probability α_j(s), p being the target's distribution for x_{s+j+1} (`lm_head`
@@ -350,8 +351,9 @@ def expected_acceptance(
       probabilistic: the draft is sampled from q and kept with min(1, p/q): α = Σ_x min(p(x), q(x)).
     The expected number accepted at depth d is Π_{j<=d} α_j(s): a chain stops at its first rejection.
     -> (rounds, [expected accepted at depth d, summed over rounds] for d = 1..max_k); τ@k = 1 + Σ_{d<=k}
-    accepted_d / rounds. Needs `batch.final` (states cached with it)."""
-    outs = drafter.unroll(batch.aux, batch.input_ids, max_k, first=batch.first)
+    accepted_d / rounds. Needs `batch.final` (states cached with it). `outs`: the max_k-step unroll, when the caller
+    already ran it (it depends on neither the temperature nor the draft sampling)."""
+    outs = outs or drafter.unroll(batch.aux, batch.input_ids, max_k, first=batch.first)
     drafting = batch.drafting(0)  # [B, T] verified positions that start a round
     draft_to_target = drafter.to_target_ids(torch.arange(drafter.d2t.shape[0], device=drafting.device))  # [V_d]
     survive = torch.ones(int(drafting.sum()), device=drafting.device)  # [N] chance the chain is still alive

@@ -232,20 +232,32 @@ def sampling_rows(sampled: list[dict], drafter, subset, head, suite: str, metric
         rows.append(dict(suite=suite, evaluator="vllm", temperature=t, k=k, acceptance_length=tau, drafts=c.drafts))
         rows[-1]["accepted"] = c.accepted
         metrics[f"vllm/acceptance_length@k{k}@t{t:g}"] = tau
-    for t in sorted({r["temperature"] for r in sampled}) if has_final(subset) and head is not None else []:
-        ks = sorted({r["k"] for r in sampled if r["temperature"] == t})
-        device = drafter.d2t.device
-        weight = head.to(device, torch.float32)  # [V, H], once (not per batch)
-        data = FeatureDataset(subset, list(range(len(subset))), with_final=True)
-        for drafts, evaluator in (("greedy", "simulated_expected"), ("probabilistic", "simulated_expected_sampled")):
-            rounds, accepted = 0, [0.0] * max(ks)  # greedy drafts: what vLLM does (its draft_sample_method)
-            for batch in DataLoader(data, batch_size=2, collate_fn=collate):
-                n, acc = expected_acceptance(drafter, move(batch, device), weight, max(ks), t, drafts)
-                rounds, accepted = rounds + n, [a + b for a, b in zip(accepted, acc)]
-            for k in ks:
-                tau = 1 + sum(accepted[:k]) / max(rounds, 1)
+    if not (sampled and has_final(subset) and head is not None):
+        return rows
+    ks = {
+        t: sorted({r["k"] for r in sampled if r["temperature"] == t})
+        for t in sorted({r["temperature"] for r in sampled})
+    }
+    deepest = max(max(k) for k in ks.values())
+    device = drafter.d2t.device
+    weight = head.to(device, torch.float32)  # [V, H], once
+    modes = (("greedy", "simulated_expected"), ("probabilistic", "simulated_expected_sampled"))  # greedy: vLLM's drafts
+    rounds, accepted = 0, {(t, m): [0.0] * deepest for t in ks for m, _ in modes}
+    data = FeatureDataset(subset, list(range(len(subset))), with_final=True)
+    for batch in DataLoader(data, batch_size=2, collate_fn=collate):
+        batch = move(batch, device)
+        outs = drafter.unroll(batch.aux, batch.input_ids, deepest, first=batch.first)  # one unroll for every t, mode
+        for t in ks:
+            for mode, _ in modes:
+                n, acc = expected_acceptance(drafter, batch, weight, deepest, t, mode, outs=outs)
+                accepted[t, mode] = [a + b for a, b in zip(accepted[t, mode], acc)]
+        rounds += n
+    for t, t_ks in ks.items():
+        for mode, evaluator in modes:
+            for k in t_ks:
+                tau = 1 + sum(accepted[t, mode][:k]) / max(rounds, 1)
                 rows.append(dict(suite=suite, evaluator=evaluator, temperature=t, k=k, acceptance_length=tau))
-                rows[-1].update(drafts=rounds, accepted=sum(accepted[:k]))  # expected accepted drafts
+                rows[-1].update(drafts=rounds, accepted=sum(accepted[t, mode][:k]))  # expected accepted drafts
                 metrics[f"{evaluator.replace('simulated_', '')}_acceptance_length@k{k}@t{t:g}"] = tau
     return rows
 
