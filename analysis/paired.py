@@ -15,7 +15,10 @@ each measure recomputed as the ratio of sums it is. Measures, each at every dept
 Per measure: each side's mean, the difference (variant − reference, mean over seeds), its 95% bootstrap interval,
 `resolved` when that interval excludes 0 (and each side counted MIN_COUNT rounds or more in every seed:
 `counted`), and the power line `mde80` = (z₀.₉₇₅ + z₀.₈)·SE: the smallest true
-difference this evaluation (its prompts and seeds) resolves four times in five. Writes DIR/paired.{csv,md}.
+difference this evaluation (its prompts and seeds) resolves four times in five, and `prompts_for_10pct`, the prompts
+that would bring it to a tenth of the reference's value. Writes DIR/paired.{csv,md}; where the runs evaluated suites,
+the same per suite condition (suites/per_prompt*.csv: each long-context length, each template condition) in
+DIR/paired_suites.{csv,md}.
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ PER_PROMPT = ("per_prompt", "per_prompt_depth")
 # A difference is called resolved only where each side counted at least this many rounds (n-α: rounds that reached
 # d) in every seed: a depth a handful of chains reached gives intervals of zero width around 0/1 rates.
 MIN_COUNT = 30
+# `prompts_for_10pct`: the prompts whose power line would be this share of the reference's value (issue-sized effects:
+# a 10 % change in n-α at depth 2 is what the suites are sized to resolve; POWER_DEPTH is where the paper quotes it).
+POWER_SHARE = 0.10
+POWER_DEPTH = 2
 
 
 @dataclass
@@ -48,9 +55,29 @@ class Sums:
     denominator: np.ndarray
 
 
-def measure_sums(run: Run, prompts: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """measure -> (numerator, denominator) per prompt of `prompts`, for one run."""
-    acc, depth = run.tables["per_prompt"], run.tables["per_prompt_depth"]
+HELD_OUT = "held_out"  # the scope of the held-out prompts (per_prompt.csv); a suite's are "long_context/512", ...
+
+
+def scoped(run: Run, scope: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(per-prompt acceptance, per-prompt depth) rows of one scope: the held-out set, or one suite condition
+    (suites/per_prompt*.csv, `suite` = "long_context/512", "templates/native", ...)."""
+    if scope == HELD_OUT:
+        return run.tables["per_prompt"], run.tables["per_prompt_depth"]
+    acc, depth = run.tables["suites/per_prompt"], run.tables["suites/per_prompt_depth"]
+    return acc[acc["suite"] == scope], depth[depth["suite"] == scope]
+
+
+def suite_scopes(runs: list[Run]) -> list[str]:
+    """The suite conditions every one of `runs` measured per prompt, in the order the first wrote them."""
+    if not all("suites/per_prompt" in r.tables for r in runs):
+        return []
+    shared = set.intersection(*(set(r.tables["suites/per_prompt"]["suite"]) for r in runs))
+    return [s for s in dict.fromkeys(runs[0].tables["suites/per_prompt"]["suite"]) if s in shared]
+
+
+def measure_sums(run: Run, prompts: list[str], scope: str = HELD_OUT) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """measure -> (numerator, denominator) per prompt of `prompts`, for one run (in one scope)."""
+    acc, depth = scoped(run, scope)
     out = {}
     for k, rows in acc.groupby("k"):
         rows = rows.set_index("prompt").loc[prompts]
@@ -66,9 +93,9 @@ def measure_sums(run: Run, prompts: list[str]) -> dict[str, tuple[np.ndarray, np
     return out
 
 
-def stack(runs: list[Run], prompts: list[str]) -> dict[str, Sums]:
+def stack(runs: list[Run], prompts: list[str], scope: str = HELD_OUT) -> dict[str, Sums]:
     """measure -> Sums over the runs (one row per seed, in the runs' order)."""
-    per_run = [measure_sums(r, prompts) for r in runs]
+    per_run = [measure_sums(r, prompts, scope) for r in runs]
     shared = set.intersection(*(set(m) for m in per_run))
     return {
         name: Sums(np.stack([m[name][0] for m in per_run]), np.stack([m[name][1] for m in per_run]))
@@ -138,9 +165,21 @@ def compare(variant: Sums, reference: Sums, picks, weights) -> dict:
         "ci_high": high,
         "se": se,
         "mde80": MDE_Z * se,
+        "prompts_for_10pct": prompts_for(
+            MDE_Z * se, POWER_SHARE * nanmean(ratio(reference)), variant.numerator.shape[1]
+        ),
         "counted": counted,
         "resolved": bool((low > 0 or high < 0) and counted >= MIN_COUNT),
     }
+
+
+def prompts_for(mde: float, wanted: float, prompts: int) -> float:
+    """Prompts (at the same seeds) whose power line would be `wanted`: the SE of a mean over prompts falls as
+    1/√prompts, so mde·√(prompts/needed) = wanted. The prompt stage's share of the spread is taken as all of it (the
+    seed stage does not shrink with prompts: an underestimate where seeds dominate). NaN where nothing measured."""
+    if not (mde > 0 and wanted > 0):
+        return math.nan
+    return float(math.ceil(prompts * (mde / wanted) ** 2))
 
 
 def twins(runs: list[Run], reference: str) -> list[tuple[str, list[Run], str, list[Run]]]:
@@ -177,7 +216,8 @@ def paired_rows(runs: list[Run], reference: str = "eagle3", count: int = 2000) -
     return [dict(row) for row in _LAST[1]]
 
 
-def _paired_rows(runs: list[Run], reference: str, count: int) -> list[dict]:
+def _paired_rows(runs: list[Run], reference: str, count: int, suites: bool = False) -> list[dict]:
+    """The held-out scope's rows, or (`suites`) one scope per suite condition both sides measured per prompt."""
     rows = []
     for label, members, ref_label, ref_members in twins(runs, reference):
         seeds = sorted({r.seed for r in members} & {r.seed for r in ref_members})
@@ -185,28 +225,37 @@ def _paired_rows(runs: list[Run], reference: str, count: int) -> list[dict]:
         theirs = [next(r for r in ref_members if r.seed == s) for s in seeds]
         both = mine + theirs
         if not seeds or not all(all(t in r.tables for t in PER_PROMPT) for r in both):
-            print(f"skipped {label} vs {ref_label}: no seed with per-prompt tables on both sides", file=sys.stderr)
+            if not suites:  # (said once: the held-out pass is made first)
+                print(f"skipped {label} vs {ref_label}: no seed with per-prompt tables on both sides", file=sys.stderr)
             continue
-        prompts = sorted(set.intersection(*(set(r.tables["per_prompt"]["prompt"]) for r in both)))
-        ours, ref = stack(mine, prompts), stack(theirs, prompts)
-        picks, weights = resamples(len(seeds), len(prompts), count)
-        for name in (n for n in ours if n in ref):
-            family, at = name.split("@")
-            rows.append(
-                {
-                    "setup": label,
-                    "reference": ref_label,
-                    "measure": family,
-                    "at": int(at),
-                    "ttt": mine[0].ttt,
-                    "seeds": len(seeds),
-                    "prompts": len(prompts),
-                    **{f"variant_{k}": v for k, v in level(ours[name], picks, weights).items()},
-                    **{f"reference_{k}": v for k, v in level(ref[name], picks, weights).items()},
-                    **compare(ours[name], ref[name], picks, weights),
-                }
-            )
+        for scope in suite_scopes(both) if suites else [HELD_OUT]:
+            prompts = sorted(set.intersection(*(set(scoped(r, scope)[0]["prompt"]) for r in both)))
+            ours, ref = stack(mine, prompts, scope), stack(theirs, prompts, scope)
+            picks, weights = resamples(len(seeds), len(prompts), count)
+            for name in (n for n in ours if n in ref):
+                family, at = name.split("@")
+                rows.append(
+                    {
+                        "setup": label,
+                        "reference": ref_label,
+                        **({"scope": scope} if suites else {}),
+                        "measure": family,
+                        "at": int(at),
+                        "ttt": mine[0].ttt,
+                        "seeds": len(seeds),
+                        "prompts": len(prompts),
+                        **{f"variant_{k}": v for k, v in level(ours[name], picks, weights).items()},
+                        **{f"reference_{k}": v for k, v in level(ref[name], picks, weights).items()},
+                        **compare(ours[name], ref[name], picks, weights),
+                    }
+                )
     return rows
+
+
+def suite_paired_rows(runs: list[Run], reference: str = "eagle3", count: int = 2000) -> list[dict]:
+    """paired_rows for every suite condition (long-context length, template condition) both sides of a pair
+    measured per prompt (suites/per_prompt*.csv, simulated evaluator): one row per (setup, scope, measure)."""
+    return _paired_rows(runs, reference, count, suites=True)
 
 
 def setup_levels(runs: list[Run], count: int = 2000) -> list[dict]:
@@ -229,9 +278,13 @@ def setup_levels(runs: list[Run], count: int = 2000) -> list[dict]:
     return rows
 
 
-def first_resolved(rows: list[dict], setup: str, measure: str) -> int | None:
-    """The first depth (or k) at which `measure`'s difference is resolved, for one setup."""
-    hits = [r["at"] for r in rows if r["setup"] == setup and r["measure"] == measure and r["resolved"]]
+def first_resolved(rows: list[dict], setup: str, measure: str, scope: str | None = None) -> int | None:
+    """The first depth (or k) at which `measure`'s difference is resolved, for one setup (in one suite scope)."""
+    hits = [
+        r["at"]
+        for r in rows
+        if r["setup"] == setup and r["measure"] == measure and r["resolved"] and r.get("scope") == scope
+    ]
     return min(hits) if hits else None
 
 
@@ -265,15 +318,53 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def write(rows: list[dict], out: Path) -> list[Path]:
+def suite_markdown(rows: list[dict]) -> str:
+    """One table per setup: τ and n-α per suite condition, with the first depth each is resolved at and the prompts
+    a condition would need for its power line to reach 10 % of the reference's value."""
+    out = []
+    for setup in dict.fromkeys(r["setup"] for r in rows):
+        mine = [r for r in rows if r["setup"] == setup and r["measure"] in ("tau", "n_alpha")]
+        first = mine[0]
+        out += [
+            f"### {setup} − {first['reference']} by suite condition ({first['seeds']} seeds, paired; trained depth "
+            f"{first['ttt']})",
+            "",
+            "| condition | prompts | measure | at | variant | reference | difference [95% CI] | resolved "
+            "| smallest resolvable (80% power) | prompts for 10% |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in mine:
+            if math.isnan(r["difference"]):
+                continue
+            need = "–" if math.isnan(r["prompts_for_10pct"]) else f"{r['prompts_for_10pct']:.0f}"
+            out.append(
+                f"| {r['scope']} | {r['prompts']} | {NAMES[r['measure']]} | {r['at']} | {r['variant_mean']:.3f} | "
+                f"{r['reference_mean']:.3f} | {r['difference']:+.3f} [{r['ci_low']:+.3f}, {r['ci_high']:+.3f}] | "
+                f"{'yes' if r['resolved'] else 'no'} | {r['mde80']:.3f} | {need} |"
+            )
+        out += ["", "First resolved (n-α(d)): " + ", ".join(
+            f"{scope} at {first_resolved(rows, setup, 'n_alpha', scope) or '–'}"
+            for scope in dict.fromkeys(r["scope"] for r in mine)
+        ), ""]  # fmt: skip
+    return "\n".join(out)
+
+
+def write(rows: list[dict], out: Path, suite_rows: list[dict] = ()) -> list[Path]:
+    """paired.csv/.md (held-out prompts) and, where the runs measured suites per prompt, paired_suites.csv/.md."""
     out.mkdir(parents=True, exist_ok=True)
     pd.DataFrame(rows).to_csv(out / "paired.csv", index=False)
-    (out / "paired.md").write_text(
-        "Paired by seed and prompt (simulated evaluator, held-out prompts); 95% two-stage bootstrap intervals "
-        "(seeds, then prompts); resolved: the interval excludes 0; smallest resolvable: (z0.975 + z0.8)·SE.\n\n"
-        + markdown(rows)
+    head = (
+        "Paired by seed and prompt (simulated evaluator, {what}); 95% two-stage bootstrap intervals (seeds, then "
+        "prompts); resolved: the interval excludes 0; smallest resolvable: (z0.975 + z0.8)·SE; prompts for 10%: the "
+        "prompts that would bring it to a tenth of the reference's value (analysis.paired.prompts_for).\n\n"
     )
-    return [out / "paired.csv", out / "paired.md"]
+    (out / "paired.md").write_text(head.format(what="held-out prompts") + markdown(rows))
+    paths = [out / "paired.csv", out / "paired.md"]
+    if suite_rows:
+        pd.DataFrame(suite_rows).to_csv(out / "paired_suites.csv", index=False)
+        (out / "paired_suites.md").write_text(head.format(what="each suite condition") + suite_markdown(suite_rows))
+        paths += [out / "paired_suites.csv", out / "paired_suites.md"]
+    return paths
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reference", default="eagle3", help="the variant every other one is paired with")
     ap.add_argument("--resamples", type=int, default=2000)
     args = ap.parse_args(argv)
-    rows = paired_rows(load_or_exit(args.roots), args.reference, args.resamples)
+    runs = load_or_exit(args.roots)
+    rows = paired_rows(runs, args.reference, args.resamples)
     if not rows:
         print(
             f"error: no setup has a {args.reference} twin with per-prompt tables (per_prompt.csv) for a shared seed; "
@@ -291,8 +383,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    paths = write(rows, args.out)
+    suite_rows = suite_paired_rows(runs, args.reference, args.resamples)
+    paths = write(rows, args.out, suite_rows)
     print(markdown(rows))
+    if suite_rows:
+        print(suite_markdown(suite_rows))
     print(f"-> {', '.join(map(str, paths))}")
     return 0
 

@@ -42,6 +42,9 @@ RESULT_TABLES = [
     "suites/templates.csv",
     "suites/drift.csv",
     "suites/fc_balance.csv",
+    "suites/long_context_throughput.csv",
+    "suites/per_prompt.csv",
+    "suites/per_prompt_depth.csv",
 ]
 
 

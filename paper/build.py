@@ -21,7 +21,7 @@ from pathlib import Path
 
 from analysis.compare import COLUMNS, cell, comparison, markdown, shown_columns, write
 from analysis.figures import draw_all, seed_frames
-from analysis.paired import first_resolved, paired_rows
+from analysis.paired import POWER_DEPTH, POWER_SHARE, first_resolved, paired_rows, suite_paired_rows
 from analysis.paired import write as write_paired
 from analysis.scaling import DEEP_K, MEASURES, scaling_rows
 from analysis.scaling import write as write_scaling
@@ -139,6 +139,41 @@ def paired_table(rows: list[dict]) -> str:
     return "\n".join([*lines, r"\end{tabular}"]) + "\n"
 
 
+def suite_paired_table(rows: list[dict]) -> str:
+    """The paired differences against the reference per suite condition (each long-context length and template
+    condition on its own prompts): Δτ(k) and Δn-α(d) by depth, bold where the 95% interval excludes 0; last columns:
+    the prompts measured and those n-α(POWER_DEPTH) would need to resolve POWER_SHARE of the reference's value with
+    80% power."""
+    depths = sorted({r["at"] for r in rows})
+    head = ["setup", "condition", "", *(f"${d}$" for d in depths), "prompts", r"for 10\%"]
+    lines = [r"\begin{tabular}{lll" + "r" * (len(depths) + 2) + "}", r"\toprule", " & ".join(head) + r" \\"]
+    lines.append(r"\midrule")
+    labels = {"tau": r"$\Delta\tau(k)$", "n_alpha": r"$\Delta\,n\text{-}\alpha(d)$"}
+
+    def difference(r: dict | None) -> str:
+        if r is None or math.isnan(r["difference"]):
+            return "--"
+        return rf"\textbf{{{r['difference']:+.3f}}}" if r["resolved"] else f"{r['difference']:+.3f}"
+
+    for setup in dict.fromkeys(r["setup"] for r in rows):
+        name = f"{tex_escape(setup)} $-$ {tex_escape(next(r for r in rows if r['setup'] == setup)['reference'])}"
+        for scope in dict.fromkeys(r["scope"] for r in rows if r["setup"] == setup):
+            mine = [r for r in rows if r["setup"] == setup and r["scope"] == scope]
+            condition = tex_escape(scope)
+            for measure, label in labels.items():
+                at = {r["at"]: r for r in mine if r["measure"] == measure}
+                tail = ["", ""]
+                if measure == "n_alpha":
+                    need = at[POWER_DEPTH]["prompts_for_10pct"] if POWER_DEPTH in at else math.nan
+                    tail = [str(mine[0]["prompts"]), "--" if math.isnan(need) else f"{need:.0f}"]
+                cells = [difference(at.get(d)) for d in depths]
+                lines.append(" & ".join([name, condition, label, *cells, *tail]) + r" \\")
+                name = condition = ""
+        lines.append(r"\midrule")
+    lines[-1] = r"\bottomrule"
+    return "\n".join([*lines, r"\end{tabular}"]) + "\n"
+
+
 def _fmt(value, decimals: int = 3) -> str:
     if isinstance(value, float):
         return "--" if math.isnan(value) else f"{value:.{decimals}f}"
@@ -224,6 +259,8 @@ def numbers(runs: list[Run], rows: list[dict], skipped: int, duplicates: int, pa
                 define(key, f"{measure}pm", "" if math.isnan(ci) else rf"\pm {ci:.{decimals}f}")
     define("store", "resamples", str(PAIRED_RESAMPLES))
     define("store", "power", "80")  # analysis.paired.MDE_Z: a two-sided 5% test with 80% power
+    define("store", "powertarget", f"{POWER_SHARE * 100:g}")  # analysis.paired.prompts_for's share of the reference,
+    define("store", "powerdepth", str(POWER_DEPTH))  # quoted for n-α at that depth (suite_paired_table)
     for setup in dict.fromkeys(r["setup"] for r in paired):  # the paired paragraph: τ at ttt, the deepest depth
         mine = [r for r in paired if r["setup"] == setup]
         define(setup, "pairedseeds", str(mine[0]["seeds"]))
@@ -264,9 +301,13 @@ def generate(runs: list[Run], out: Path, skipped: int, duplicates: int, referenc
         (tables / "data_scaling.tex").write_text(scaling_table(scaling))
         written.append(tables / "data_scaling.tex")
     if paired := paired_rows(runs, reference, PAIRED_RESAMPLES):
-        written += write_paired(paired, tables)
+        suite_paired = suite_paired_rows(runs, reference, PAIRED_RESAMPLES)
+        written += write_paired(paired, tables, suite_paired)
         (tables / "paired.tex").write_text(paired_table(paired))
         written.append(tables / "paired.tex")
+        if suite_paired:
+            (tables / "paired_suites.tex").write_text(suite_paired_table(suite_paired))
+            written.append(tables / "paired_suites.tex")
     (out / "generated").mkdir(parents=True, exist_ok=True)
     (out / "generated" / "numbers.tex").write_text(numbers(runs, rows, skipped, duplicates, paired))
     written.append(out / "generated" / "numbers.tex")

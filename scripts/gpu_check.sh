@@ -191,6 +191,12 @@ for r in (r for r in rows if r["method"] != "none"):
     print(f"  vLLM served eagle3 k={k} concurrency {c:>2}: {rate:>7.0f} tok/s, speedup {speedup:.2f}x [{lo:.2f}, {hi:.2f}], "
           f"TTFT p50 {float(r.get('ttft_p50_ms') or nan):.0f} ms, TPOT p50 {float(r.get('tpot_p50_ms') or nan):.1f} ms "
           f"(τ {tau:.2f}, simulated {sim:.2f})")
+# Parity both ways (bf16 on a GPU is where the two continuations part): along HF's responses and along vLLM's outputs.
+for r in csv.DictReader((run / "parity.csv").open()) if (run / "parity.csv").is_file() else []:
+    along = float(r.get("relative_difference_along_vllm") or nan)
+    print(f"  parity {r['suite']}{'/' + r['group'] if r['group'] else ''} k={r['k']}: Δτ/τ along HF "
+          f"{float(r['relative_difference']):+.2%} (same outputs {float(r['same_output_share']):.0%}), along vLLM "
+          f"{along:+.2%} (prefill agreement {float(r.get('prefill_agreement') or nan):.1%})")
 PY
 
 # --- gpu -------------------------------------------------------------------------------------
@@ -236,7 +242,7 @@ elif [[ $DRY == 1 ]]; then
     echo "   then: its stage times and vLLM speedups from $RUN_DIR/{metrics.json,throughput.csv}"
 else
     "$PY" -c "$DEFAULT_REPORT" "$RUN_DIR" || true
-    for f in metrics.json throughput.csv run.json; do # the files worth keeping, next to the other results
+    for f in metrics.json throughput.csv parity.csv run.json; do # the files worth keeping, next to the other results
         if [[ -f $RUN_DIR/$f && $RUN_DIR != "$OUT_DIR/default" ]]; then
             cp "$RUN_DIR/$f" "$OUT_DIR/default_$f"
         fi

@@ -1,12 +1,12 @@
 """The paired bootstrap of analysis/paired.py on per-prompt tables made here: it finds no difference where there is
 none, resolves one that every prompt shows, computes n-α from the counts as EAGLE does, and its power line shrinks
-as 1/√prompts."""
+as 1/√prompts, and it says how many prompts a 10 % difference needs; suite conditions are paired each on its own."""
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.paired import paired_rows
+from analysis.paired import paired_rows, prompts_for, suite_paired_rows
 from analysis.store import Run
 
 
@@ -79,3 +79,41 @@ def test_the_power_line_shrinks_as_one_over_root_prompts():
             runs += [run("eagle3.1", seed, np.clip(base + noise, 0, 10), prompts), run("eagle3", seed, base, prompts)]
         se[n] = rows_of(runs)[("tf_acc", 1)]["mde80"]
     assert se[200] == pytest.approx(se[50] / 2, rel=0.35)
+
+
+def test_prompts_for_a_power_line_scale_as_its_square():
+    assert prompts_for(0.2, 0.1, 40) == 160  # half the power line: four times the prompts
+    assert prompts_for(0.05, 0.1, 40) == 10
+    assert np.isnan(prompts_for(0.0, 0.1, 40)) and np.isnan(prompts_for(0.1, 0.0, 40))
+
+
+def test_each_suite_condition_is_paired_on_its_own_prompts():
+    """Two suite conditions in suites/per_prompt*.csv: in "long_context/512" EAGLE-3.1 accepts 2 more drafts of 10 at
+    every prompt, in "templates/native" the same counts; each scope is paired on its own and only the first is
+    resolved. Its prompts_for_10pct is what its power line says."""
+    rng = np.random.default_rng(3)
+    prompts = [f"p{i}" for i in range(40)]
+    runs = []
+    for seed in range(3):
+        base = rng.integers(2, 8, size=40)
+        ours, ref = run("eagle3.1", seed, base, prompts), run("eagle3", seed, base, prompts)
+        for r, extra in ((ours, 2), (ref, 0)):
+            long_context = run(r.variant, seed, base + extra, prompts).tables
+            suites = {
+                name: pd.concat(
+                    [
+                        long_context[name].assign(suite="long_context/512"),
+                        r.tables[name].assign(suite="templates/native"),
+                    ]
+                )
+                for name in ("per_prompt", "per_prompt_depth")
+            }
+            r.tables.update({f"suites/{name}": t for name, t in suites.items()})
+        runs += [ours, ref]
+    rows = {(r["scope"], r["measure"], r["at"]): r for r in suite_paired_rows(runs, "eagle3", count=1000)}
+    assert {scope for scope, _, _ in rows} == {"long_context/512", "templates/native"}
+    assert rows[("long_context/512", "tau", 1)]["resolved"]
+    assert rows[("long_context/512", "tau", 1)]["difference"] == pytest.approx(0.2)
+    assert not any(r["resolved"] for (scope, _, _), r in rows.items() if scope == "templates/native")
+    row = rows[("long_context/512", "n_alpha", 2)]
+    assert row["prompts_for_10pct"] == prompts_for(row["mde80"], 0.1 * row["reference_mean"], 40)

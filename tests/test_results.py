@@ -182,6 +182,23 @@ def test_paired_comparison_pairs_the_same_prompts_and_seeds_and_agrees_with_each
         int(rows[0]["prompts"]) == json.loads((run_dirs(store)[0] / "metrics.json").read_text())["data/eval_sequences"]
     )
     assert "First resolved" in (out / "paired.md").read_text()
+    # Each suite condition paired on its own prompts: τ per side is the seed mean of the runs' suite metrics.
+    suite_rows = list(csv.DictReader(open(out / "paired_suites.csv")))
+    scopes = {r["scope"] for r in suite_rows}
+    assert {"long_context/128", "long_context/384", "templates/native"} <= scopes, scopes
+    compared = set()
+    for r in (r for r in suite_rows if r["measure"] == "tau"):
+        suite, condition = r["scope"].split("/")
+        name = f"{suite}/simulated/acceptance_length@{condition}@k{r['at']}"
+        if any(name not in m for ms in metrics.values() for m in ms):
+            continue  # (metrics.json holds the suites' ks only; the per-prompt tables every k up to them)
+        mean = {v: sum(m[name] for m in ms) / len(ms) for v, ms in metrics.items()}
+        assert float(r["variant_mean"]) == pytest.approx(mean["eagle3.1"]), name
+        assert float(r["reference_mean"]) == pytest.approx(mean["eagle3"]), name
+        compared.add(r["scope"])
+    assert compared == scopes, compared  # every condition at the suites' k
+    assert all(r["prompts_for_10pct"] == "" or float(r["prompts_for_10pct"]) >= 1 for r in suite_rows)
+    assert "prompts for 10%" in (out / "paired_suites.md").read_text()
 
 
 def test_dashboard_dry_run_writes_a_report_of_the_metrics_the_runs_logged(store, tmp_path):
@@ -274,6 +291,8 @@ def test_paper_is_regenerated_by_one_command_and_broken_runs_are_named_and_skipp
         "comparison.csv",
         "paired.tex",
         "paired.csv",
+        "paired_suites.tex",  # each suite condition paired on its own prompts
+        "paired_suites.csv",
     }
     # the numbers the text quotes are the store's (4 good runs; 4 skipped), not typed ones
     numbers = (out / "generated" / "numbers.tex").read_text()

@@ -71,10 +71,12 @@ def test_capture_uses_vllm_layer_ids(smollm2_run, cache_dir):
 
 def test_simulated_acceptance_matches_vllm_on_the_embedded_target(smollm2_run):
     """SmolLM2 in bf16 (float32 on a CPU without native bf16), the same prompts, checkpoint and budgets, k = 1, 3, 8
-    (past the trained depth and past each sequence's end): τ agrees within 2 %. Not exactly: vLLM verifies k+1 tokens
-    per forward, and bf16 rounds differently from the one-token decode that regenerated the responses, so near-ties
-    flip (measured with the default drafter on 32 HumanEval prompts: |Δτ| 0.3-1.4 %, 53-75 % identical outputs; on
-    this fixture's 4 short prompts the counts were identical at every k: docs/conventions.md#measuring-acceptance)."""
+    (past the trained depth and past each sequence's end). Along vLLM's own outputs, from vLLM's states (the
+    drafter's numerics alone), τ agrees within 0.5 %. Along the stored responses it agrees within 5 %: there the
+    target's numerics count too (vLLM verifies k+1 tokens per forward, and bf16 rounds that differently from the
+    one-token decode that regenerated the responses, so near-ties flip: measured with the default drafter on 32
+    HumanEval prompts, |Δτ| 0.3-1.4 % on a Zen 3, up to 3.8 % on an AMX CPU, 53-75 % identical outputs; on this
+    fixture's 4 short prompts the counts were identical at every k: docs/conventions.md#measuring-acceptance)."""
     import csv
 
     with open(smollm2_run / "parity.csv") as f:
@@ -82,7 +84,8 @@ def test_simulated_acceptance_matches_vllm_on_the_embedded_target(smollm2_run):
     assert sorted(parity) == [1, 3, 8]  # vLLM's default depths: 1, ttt_steps, max_k
     for k, row in parity.items():
         print(k, {c: row[c] for c in row if c.endswith(("simulated", "vllm", "share"))})
-        assert abs(float(row["relative_difference"])) <= 0.02, row
+        assert abs(float(row["relative_difference_along_vllm"])) <= 0.005, row
+        assert abs(float(row["relative_difference"])) <= 0.05, row
         assert int(row["drafts_vllm"]) > 0 and float(row["same_output_share"]) >= 0.5, row
     assert sum(int(r["accepted_vllm"]) for r in parity.values()) > 0, "no draft accepted: nothing was compared"
 

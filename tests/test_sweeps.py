@@ -58,6 +58,7 @@ TRIAL_KEYS = {  # what tells a grid's trials apart, read from the composed confi
         ("ablation_grid", 12, ("seed",), ALL_VARIANTS),
         ("ttt_grid", 16, ("ttt_steps",), ALL_VARIANTS),
         ("data_scaling", 20, ("num_prompts", "seed"), {"eagle3.1", "eagle3"}),
+        ("paper_pair", 6, ("seed",), {"eagle3.1", "eagle3"}),
     ],
 )
 def test_ready_grids_expand_to_distinct_valid_trials(sweep, trials, keys, variants, cache_dir, tmp_path):

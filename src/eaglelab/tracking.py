@@ -44,6 +44,7 @@ TABLES = [
     "suites/templates.csv",
     "suites/drift.csv",
     "suites/fc_balance.csv",
+    "suites/long_context_throughput.csv",
 ]
 FIGURES = [
     "acceptance.png",
@@ -52,6 +53,7 @@ FIGURES = [
     "suites/long_context.png",
     "suites/templates.png",
     "suites/drift.png",
+    "suites/long_context_speed.png",
 ]
 DRIFT_MEASURES = ["hidden_rms", "sink_share", "context_share", "draft_share", "recent_share", "entropy"]
 # Acceptance by draft depth d on the held-out prompts: n-α at the deepest k each evaluator ran, and teacher-forced

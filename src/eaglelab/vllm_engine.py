@@ -21,8 +21,8 @@ Jobs (JSON):
    temperatures (optional, default [0]), dtype, max_model_len, groups (optional: {name: {prompts, max_tokens}}
    measured separately instead of `prompts`);
    to time decode speed besides: throughput_ks, concurrencies, timed_prompts, timed_max_tokens, waves, repeats,
-   temperature, log_dir}
-      -> {"acceptance": [{group, k, temperature, drafts, accepted, accepted_per_pos, outputs}],
+   temperature, log_dir; with_tails: each greedy output's k greedy tokens past its end, `tails`}
+      -> {"acceptance": [{group, k, temperature, drafts, accepted, accepted_per_pos, outputs[, tails]}],
           "throughput": [one row per timed pass (eaglelab.serving)]}
 Acceptance: one in-process engine per depth k in `ks`, its counters read across each group's generate call (greedy,
 then once per sampled temperature).
@@ -105,6 +105,7 @@ def run_engine(job: dict, workdir: Path, timeout: int = 3600, desc: str = "vLLM"
     env = {
         **os.environ,
         **device_env,
+        **cpu_threads_bind(devices),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
     }
@@ -151,6 +152,23 @@ def run_engine(job: dict, workdir: Path, timeout: int = 3600, desc: str = "vLLM"
     out_path.unlink()
     job_path.unlink()
     return result
+
+
+def cpu_threads_bind(workers: int) -> dict:
+    """On a CPU box, vLLM binds each worker of a tensor/pipeline parallel engine to a NUMA node of its own, and refuses
+    to start with fewer nodes than workers (one socket, any laptop): there, this process's CPUs are split into
+    `workers` contiguous groups for `VLLM_CPU_OMP_THREADS_BIND` ("0-7|8-15"). A setting of the user's, a single
+    worker, a GPU, or enough NUMA nodes: nothing."""
+    if workers < 2 or cuda_available() or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return {}
+    if len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) >= workers:
+        return {}
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < workers:
+        raise EaglelabError(f"an engine over {workers} CPU workers needs {workers} CPUs, this process has {len(cpus)}")
+    size = len(cpus) // workers
+    groups = [cpus[i * size : (i + 1) * size] for i in range(workers)]
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, g)) for g in groups)}
 
 
 # --- the engine process --------------------------------------------------------------------------
@@ -206,7 +224,7 @@ CPU_BLOCK = 128  # tokens per KV block on vLLM's CPU backend: each request holds
 CPU_KV_CACHE_MAX = 2 << 30  # what every engine got before its cache was sized (2 GiB): larger jobs queue
 
 
-def _config(model_dir: str) -> dict:
+def model_config(model_dir: str) -> dict:
     """A model folder's config.json, a multimodal model's text_config folded in."""
     c = json.loads((Path(model_dir) / "config.json").read_text())
     return {**c.get("text_config", {}), **c}
@@ -214,7 +232,7 @@ def _config(model_dir: str) -> dict:
 
 def _kv_bytes_per_token(model_dir: str, dtype: str) -> int:
     """K and V of every attention layer of one model, for one token."""
-    c = _config(model_dir)
+    c = model_config(model_dir)
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     kv_heads = c.get("num_key_value_heads") or c["num_attention_heads"]
     return c["num_hidden_layers"] * 2 * kv_heads * head_dim * (4 if dtype == "float32" else 2)
@@ -232,7 +250,7 @@ def cpu_kv_cache_bytes(job: dict, k: int | None, captured_layers: int = 0) -> in
             per_token += _kv_bytes_per_token(job["drafter"], job["dtype"])
         if captured_layers:  # a capture engine also caches each token's states at the captured layers
             per_token += (
-                captured_layers * _config(job["target"])["hidden_size"] * (4 if job["dtype"] == "float32" else 2)
+                captured_layers * model_config(job["target"])["hidden_size"] * (4 if job["dtype"] == "float32" else 2)
             )
     except (OSError, KeyError, TypeError, ValueError, ZeroDivisionError):  # a config of other names: as before
         return CPU_KV_CACHE_MAX
@@ -244,13 +262,13 @@ def cpu_kv_cache_bytes(job: dict, k: int | None, captured_layers: int = 0) -> in
         requests = [
             (p, b + job.get("tail_tokens", 0))
             for shard, prompts in job["shards"].items()
-            for p, b in zip(prompts, _budgets(job["max_tokens"][shard], len(prompts)))
+            for p, b in zip(prompts, request_budgets(job["max_tokens"][shard], len(prompts)))
         ]
     else:
         requests = [
             (p, b)
-            for g in _groups(job).values()
-            for p, b in zip(g["prompts"], _budgets(g["max_tokens"], len(g["prompts"])))
+            for g in prompt_groups(job).values()
+            for p, b in zip(g["prompts"], request_budgets(g["max_tokens"], len(g["prompts"])))
         ]
     blocks = sum(-(-(len(p) + b + (k or 0) + 1) // CPU_BLOCK) for p, b in requests)
     one_request = 2 * (job["max_model_len"] + CPU_BLOCK) * per_token
@@ -264,7 +282,7 @@ def _generate(
     draws for every drafter and depth: acceptance under speculative sampling compared on equal terms)."""
     from vllm import SamplingParams
 
-    budgets = _budgets(max_tokens, len(prompts))
+    budgets = request_budgets(max_tokens, len(prompts))
     params = [
         SamplingParams(
             temperature=temperature,
@@ -279,12 +297,12 @@ def _generate(
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _budgets(max_tokens, n: int) -> list[int]:
+def request_budgets(max_tokens, n: int) -> list[int]:
     """Per-prompt budgets: one for all, or each sequence's own (the budget it was regenerated with)."""
     return list(max_tokens) if isinstance(max_tokens, list) else [max_tokens] * n
 
 
-def _groups(job: dict) -> dict:
+def prompt_groups(job: dict) -> dict:
     """The prompt groups an evaluate job measures separately; without any, its prompts are one unnamed group."""
     return job.get("groups") or {"": {"prompts": job["prompts"], "max_tokens": job["max_tokens"]}}
 
@@ -295,7 +313,7 @@ def _acceptance(llm, job: dict, k: int) -> list[dict]:
     generate call."""
     rows, before = [], _spec_counters(llm, k)
     for temperature in job.get("temperatures") or [0.0]:
-        for name, group in _groups(job).items():
+        for name, group in prompt_groups(job).items():
             outs = _generate(
                 llm, group["prompts"], group["max_tokens"], job.get("stop_token_ids"), temperature=temperature
             )
@@ -311,7 +329,9 @@ def _acceptance(llm, job: dict, k: int) -> list[dict]:
                     "outputs": outs,
                 }
             )
-            before = after
+            if temperature == 0 and job.get("with_tails"):  # (after the counters: no part of the measurement)
+                rows[-1]["tails"] = _tails(llm, group["prompts"], outs, k, job["max_model_len"])
+            before = _spec_counters(llm, k)
     return rows
 
 
@@ -367,7 +387,9 @@ def progress(message: str) -> None:
     print(f"{PROGRESS}{message}", flush=True)
 
 
-def engine_main(job: dict) -> dict:
+def engine_main(job: dict, after_acceptance=None) -> dict:
+    """`after_acceptance(job, rows)`: what the caller's handler does once the acceptance engines are gone and before
+    the servers start (eaglelab.data.vllm_capture: capture the states along the greedy outputs)."""
     # Each engine is built and dropped inside one helper call, then collected, so two engines never
     # coexist: vLLM's in-process distributed state is per process, and a late finaliser would tear
     # down the next engine's.
@@ -375,8 +397,11 @@ def engine_main(job: dict) -> dict:
         return regenerate_job(job)
     result = {"acceptance": [], "throughput": []}
     ks, served = sorted(job["ks"]), bool(job.get("throughput_ks") and job.get("concurrencies"))
+    then = served or after_acceptance is not None
     for i, k in enumerate(ks):  # one in-process engine per depth: counters and outputs (the process exits after
-        result["acceptance"] += _acceptance_at(job, k, teardown=served or i < len(ks) - 1)  # the last: no teardown)
+        result["acceptance"] += _acceptance_at(job, k, teardown=then or i < len(ks) - 1)  # the last: no teardown)
+    if after_acceptance is not None:
+        after_acceptance(job, result["acceptance"])
     if served:  # then served: no speculation, then each timed depth (eaglelab.serving)
         from eaglelab.serving import served_throughput
 

@@ -549,8 +549,6 @@ def _capture_vllm(
             "mode": "capture",
             "target": str(target.path),
             "dtype": str(target.dtype).split(".")[-1],
-            # (room for the one token each request samples and drops: a sequence may fill the target's window)
-            "max_model_len": max(len(s) for shard in job_shards.values() for s in shard["input_ids"]) + 1,
             "num_layers": target.num_layers,
             "layer_ids": list(aux_layer_ids),
             "with_final": with_final,
