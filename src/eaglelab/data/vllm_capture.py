@@ -213,6 +213,8 @@ def capture_outputs(job: dict, rows: list[dict]) -> None:
     from eaglelab.data.store import mark_complete, shard_name, state_shards_meta, write_token_shard
 
     spec, groups = job["along_vllm"], prompt_groups(job)
+    folder = Path(spec["folder"])
+    shutil.rmtree(folder, ignore_errors=True)  # an earlier attempt's: never read as this one's
     where, sequences = {}, []  # sequence -> its row; rows: [ids, prompt length, budget, tail]
     for row in (r for r in rows if r["temperature"] == 0):
         group = groups[row["group"]]
@@ -225,8 +227,6 @@ def capture_outputs(job: dict, rows: list[dict]) -> None:
             elif len(tail) > len(sequences[i][3]):  # (the deepest engine's tail: k tokens past the end)
                 sequences[i][3] = tail
             row["sequence_rows"].append(i)
-    folder = Path(spec["folder"])
-    shutil.rmtree(folder, ignore_errors=True)  # an earlier attempt's
     if not sequences:
         return
     storage = str(folder / "connector")
