@@ -17,6 +17,8 @@ import psutil
 import pytest
 import torch
 
+from eaglelab.evaluate import ENGINE
+
 from conftest import ROOT, cli_env, compose, error_line, run_cli
 from wandb_records import read_run
 
@@ -281,10 +283,9 @@ def test_vllm_engine_killed_or_timed_out_fails_the_run_keeps_training_and_the_re
         except psutil.Error:  # a child that ended meanwhile (a zombie, or gone): not the engine
             return ""
 
-    def engine():
-        return next(
-            (c for c in psutil.Process(proc.pid).children(recursive=True) if "eaglelab.vllm_engine" in cmdline(c)), None
-        )
+    def engine():  # the evaluation's engine process (it runs in eaglelab.data.vllm_capture: eaglelab.evaluate.ENGINE)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        return next((c for c in children if f"-m {ENGINE} " in cmdline(c)), None)
 
     victim = wait_for(engine, 600, "the vLLM engine", proc)
     wait_for(

@@ -157,15 +157,16 @@ def run_engine(job: dict, workdir: Path, timeout: int = 3600, desc: str = "vLLM"
 def cpu_threads_bind(workers: int) -> dict:
     """On a CPU box, vLLM binds each worker of a tensor/pipeline parallel engine to a NUMA node of its own, and refuses
     to start with fewer nodes than workers (one socket, any laptop): there, this process's CPUs are split into
-    `workers` contiguous groups for `VLLM_CPU_OMP_THREADS_BIND` ("0-7|8-15"). A setting of the user's, a single
-    worker, a GPU, or enough NUMA nodes: nothing."""
+    `workers` contiguous groups for `VLLM_CPU_OMP_THREADS_BIND` ("0-7|8-15"), or, with fewer CPUs than workers (a
+    process pinned to one core), left unbound ("nobind": the workers share what this process has). A setting of the
+    user's, a single worker, a GPU, or enough NUMA nodes: nothing."""
     if workers < 2 or cuda_available() or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return {}
     if len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) >= workers:
         return {}
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < workers:
-        raise EaglelabError(f"an engine over {workers} CPU workers needs {workers} CPUs, this process has {len(cpus)}")
+        return {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     size = len(cpus) // workers
     groups = [cpus[i * size : (i + 1) * size] for i in range(workers)]
     return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, g)) for g in groups)}
