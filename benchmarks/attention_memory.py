@@ -74,7 +74,7 @@ def one(length: int, mode: str, batch: int, ttt: int, precision: str) -> dict:
         lowp, stream = (2, 4) if precision == "bf16" else (4, 4)
         rows = B * (T - 1)
         row["estimate_gb"] = (
-            ttt_kept_bytes(B, T, ttt, T - 1, cfg, lowp, stream, kl=False, checkpointing=mode == "checkpointed")
+            ttt_kept_bytes(B, T, ttt, T - 1, cfg, lowp, stream, checkpointing=mode == "checkpointed")
             + unroll_alive_bytes(B, T, ttt, rows, cfg, lowp, stream)
         ) / 1e9
         with torch.no_grad(), autocast:  # the same forward both ways: the largest logit gap

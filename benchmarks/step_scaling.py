@@ -136,7 +136,7 @@ def estimate_added_bytes(cfg, T: int, ttt: int, checkpointing: bool, trainable: 
     from eaglelab.limits import ttt_kept_bytes, unroll_alive_bytes
 
     lowp, stream = 2, 4  # bf16-mixed: 16-bit matmul inputs and outputs, float32 residual stream
-    kept = ttt_kept_bytes(1, T, ttt, T - 1, cfg, lowp, stream, kl=False, checkpointing=checkpointing)
+    kept = ttt_kept_bytes(1, T, ttt, T - 1, cfg, lowp, stream, checkpointing=checkpointing)
     return kept + unroll_alive_bytes(1, T, ttt, T - 1, cfg, lowp, stream) + 4 * trainable  # + float32 gradients
 
 

@@ -234,15 +234,16 @@ def test_fp16_loss_scaler_steps_are_left_to_the_scaler():
     module = torch.nn.Linear(4, 4)
     module.weight.grad = torch.full_like(module.weight, float("inf"))
     scaled = SimpleNamespace(global_step=7, precision_plugin=SimpleNamespace(scaler=object()))
-    StopOnNonFinite().on_before_optimizer_step(scaled, module, None)  # left to the scaler: no error
+    stop = StopOnNonFinite(checkpoint_every_n_steps=50)
+    stop.on_before_optimizer_step(scaled, module, None)  # left to the scaler: no error
     unscaled = SimpleNamespace(global_step=7, precision_plugin=SimpleNamespace(scaler=None))
     with pytest.raises(TrainingError, match="non-finite gradient at step 7"):
-        StopOnNonFinite().on_before_optimizer_step(unscaled, module, None)
+        stop.on_before_optimizer_step(unscaled, module, None)
 
 
 def test_non_finite_loss_stops_with_a_clear_error_and_keeps_the_last_finite_checkpoint(cache_dir, tmp_path):
     """A real smoke run whose first optimizer step (lr 1e30) leaves finite but huge weights: the second step's loss
-    is non-finite, and the real training step stops the run there, before its backward pass."""
+    is non-finite, and the real trainer stops the run there, before its optimizer step."""
     run_dir = tmp_path / "run"
     proc = run_cli(
         [*SMOKE, "train.lr=1e30", "train.checkpoint_every_n_steps=1", f"hydra.run.dir={run_dir}"], cache_dir, tmp_path

@@ -174,9 +174,9 @@ def test_the_training_estimate_counts_what_autograd_keeps(T, checkpointing):
         module.ttt(batch, steps)
     trainable = [p for p in module.drafter.parameters() if p.requires_grad]
     assert _trainable_parameters(d) == sum(p.numel() for p in trainable)
-    estimate = ttt_kept_bytes(B, T, steps, T - prompt, d, lowp=2, stream=4, kl=False, checkpointing=checkpointing)
+    estimate = ttt_kept_bytes(B, T, steps, T - prompt, d, lowp=2, stream=4, checkpointing=checkpointing)
     if checkpointing:  # saved in the forward pass: all but the rebuilt layer-step (and the layers' weight copies)
-        assert estimate < 0.7 * ttt_kept_bytes(B, T, steps, T - prompt, d, 2, 4, kl=False)
+        assert estimate < 0.7 * ttt_kept_bytes(B, T, steps, T - prompt, d, 2, 4)
         expected = estimate - max(layer_step_bytes(B, T, steps, d, 2, 4))
     else:
         expected = estimate + 2 * _trainable_parameters(d)  # autocast's bf16 copies of the weights, saved too

@@ -100,7 +100,9 @@ def test_a_run_killed_again_and_again_resumes_to_the_uninterrupted_result(cache_
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     assert preemption.CHAIN == ["data_sigint", "train_sigterm", "mid_epoch3", "evaluate"]
-    result = preemption.chain(preemption.CHAIN, tmp_path, cache_dir, ["logger=wandb"])
+    # (with DataLoader workers, which read ahead of the step: the sampler position resumed is the step's)
+    overrides = ["logger=wandb", "train.num_workers=2"]
+    result = preemption.chain(preemption.CHAIN, tmp_path, cache_dir, overrides)
     kills = {k["point"]: k for k in result["kills"]}
     assert result["attempts"] == 5 and result["weights_identical"] and result["metrics_identical"], result
     # a signal (not SIGKILL) is recorded as interrupted, cleanly; SIGKILL leaves the attempt as it was, running
@@ -120,7 +122,7 @@ def test_a_run_killed_again_and_again_resumes_to_the_uninterrupted_result(cache_
     assert len(runs) >= 4 and all(r.name.endswith(run_id) for r in runs)  # every attempt that logged: one id
     # A finished run started again is returned as it is, not re-run.
     before = (run_dir / "metrics.json").stat().st_mtime_ns
-    preemption.run_to_end(run_dir, cache_dir, ["logger=wandb"])
+    preemption.run_to_end(run_dir, cache_dir, overrides)
     assert (run_dir / "metrics.json").stat().st_mtime_ns == before
 
 

@@ -109,7 +109,8 @@ def test_ttt_loss_ignores_prompt_and_padding_positions():
 # --- the non-finite stops, on the trainer eaglelab builds ------------------------------------------------
 class NonFiniteAtStep2(L.LightningModule):
     """One weight; the first optimizer step is finite, the second makes a non-finite gradient (`gradient`: the
-    loss √(w²) at w = 0, itself finite) or non-finite weights (`weights`: a finite gradient × lr overflows)."""
+    loss √(w²) at w = 0, itself finite) or non-finite weights (`weights`: a finite loss and gradient, whose step
+    × lr overflows)."""
 
     def __init__(self, where: str):
         super().__init__()
@@ -119,7 +120,7 @@ class NonFiniteAtStep2(L.LightningModule):
     def training_step(self, batch, batch_idx):
         if self.where == "gradient":
             return torch.sqrt((self.w**2).sum() + 0.0 * batch.sum())  # step 1: w 1 -> 0; step 2: d√(w²)/dw = 0/0
-        scale = 1.0 if self.global_step == 0 else 1e30  # step 2: 1e30 · lr 1e9 overflows float32
+        scale = 0.0 if self.global_step == 0 else 1e30  # step 2: a finite loss and gradient, 1e30 · lr 1e9 overflows
         return (self.w * scale).sum() + 0.0 * batch.sum()
 
     def configure_optimizers(self):
@@ -171,24 +172,30 @@ class ScriptedValidation(L.LightningModule):
 
 def test_keep_best_restores_the_weights_and_metrics_of_the_best_validation_pass(tmp_path):
     """train.keep=best's callback in the real Trainer: whatever epoch ends training, the weights restored are those
-    of the pass with the highest validation τ (epoch 1 of 4 here), with that pass's metrics, and a checkpoint
-    written after it carries them for a resumed run."""
+    of the pass with the highest validation τ (epoch 1 of 4 here), with that pass's metrics. They are kept in a file,
+    not in memory: the checkpoint written after it names the epoch, and a resumed run restores the same weights."""
     from eaglelab.training import KeepBest
 
     overrides = ["experiment=smoke", "train.epochs=4", "train.precision=32-true", "train.checkpoint_every_n_steps=1"]
     cfg = compose(overrides, tmp_path / "cache", tmp_path)
-    module, keep = ScriptedValidation(), KeepBest("val/acceptance_length@k3")
+    folder = tmp_path / "run" / "lightning"
+    module, keep = ScriptedValidation(), KeepBest("val/acceptance_length@k3", folder)
     data, one_batch = (torch.utils.data.DataLoader(torch.ones(2, 1), batch_size=b) for b in (1, 2))
     make_trainer(cfg, tmp_path / "run", False, [keep]).fit(module, data, one_batch)
     assert len(module.seen) == 4 and not torch.equal(module.seen[1], module.drafter.weight)
+    assert not hasattr(keep, "weights") and [p.name for p in folder.glob("best-*")] == ["best-epoch1.pt"]
+    saved = torch.load(folder / "last.ckpt", weights_only=False)
+    (state,) = [v for k, v in saved["callbacks"].items() if k.startswith("KeepBest")]
+    assert "weights" not in state and state["epoch"] == 1
     metrics = keep.restore(module)
     assert metrics == {"val/acceptance_length@k3": 2.5, "train/kept_epoch": 1.0}
     assert torch.equal(module.drafter.weight, module.seen[1])
-    saved = torch.load(tmp_path / "run" / "lightning" / "last.ckpt", weights_only=False)
-    (state,) = [v for k, v in saved["callbacks"].items() if k.startswith("KeepBest")]
-    resumed = KeepBest("val/acceptance_length@k3")
+    resumed = KeepBest("val/acceptance_length@k3", folder)
     resumed.load_state_dict(state)
-    assert resumed.epoch == 1 and torch.equal(resumed.weights["weight"], module.seen[1])
+    fresh = ScriptedValidation()
+    assert resumed.restore(fresh) == metrics and torch.equal(fresh.drafter.weight, module.seen[1])
+    keep.clear()
+    assert not list(folder.glob("best-*"))
 
 
 def test_the_drafter_can_start_at_the_targets_last_layer_and_keep_its_lm_head_frozen():
@@ -298,3 +305,142 @@ def test_deterministic_algorithms_on_a_cpu_not_on_cuda_unless_asked(monkeypatch,
     assert deterministic(TrainConfig(accelerator="auto")) is True
     cfg = compose(["train.deterministic=true"], tmp_path, tmp_path / "run")  # (the CLI's key, typed)
     assert cfg.train.deterministic is True and compose([], tmp_path, tmp_path / "run").train.deterministic is None
+
+
+def plain_head_loss(hidden, weight, index=None, teacher_states=None, teacher_head=None):
+    """The expression `draft_head_loss` replaces, as autograd differentiates it: [N, V_d] log-probabilities kept."""
+    logp = torch.nn.functional.log_softmax(torch.nn.functional.linear(hidden, weight).float(), dim=-1)
+    if index is not None:
+        return -(logp.gather(-1, index.clamp(min=0)[:, None])[:, 0] * (index >= 0)).sum(), logp.argmax(-1)
+    p = torch.softmax((teacher_states @ teacher_head.T).float(), dim=-1)
+    return (p * (torch.log(p.clamp_min(1e-20)) - logp)).sum(), logp.argmax(-1)
+
+
+@pytest.mark.parametrize("loss", ["ce", "kl"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_chunked_head_loss_equals_the_plain_expression_forward_and_backward(loss, precision):
+    """eaglelab.draft_loss against the plain log-softmax over the draft vocabulary: the loss, the drafts (argmax)
+    and the gradients of the rows' states and of lm_head, over chunks of 7 rows (the last one short), in float32
+    and under bf16 autocast (the logits in bf16, the softmax in float32, as training runs them)."""
+    from eaglelab.draft_loss import draft_head_loss
+
+    torch.manual_seed(0)
+    N, H, V = 30, 16, 40
+    hidden, weight = torch.randn(N, H, requires_grad=True), torch.randn(V, H, requires_grad=True)
+    index = torch.randint(-1, V, (N,))  # (-1: a label outside the draft vocabulary, weight 0)
+    kwargs = (
+        {"index": index} if loss == "ce" else {"teacher_states": torch.randn(N, 12), "teacher_head": torch.randn(V, 12)}
+    )
+    results = []
+    for fn in (plain_head_loss, lambda *a, **k: draft_head_loss(*a, **k, rows=7)):
+        hidden.grad = weight.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            total, drafts = fn(hidden, weight, **kwargs)
+        (2.5 * total).backward()  # a scaled loss: the saved gradients are scaled in the backward pass
+        results.append((total.detach(), drafts, hidden.grad.clone(), weight.grad.clone()))
+    (plain, plain_drafts, plain_h, plain_w), (chunked, drafts, grad_h, grad_w) = results
+    for got, want in ((chunked, plain), (grad_h, plain_h), (grad_w, plain_w)):
+        if precision == "fp32":
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        else:  # bf16 rounds the gradient before the loss's scale is applied here, after it in autograd: one bf16
+            # step (2^-8 relative) of the largest term, not of each (small) entry
+            torch.testing.assert_close(got, want, rtol=0, atol=2**-7 * float(want.abs().max()))
+    assert torch.equal(drafts, plain_drafts)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        torch.testing.assert_close(draft_head_loss(hidden, weight, **kwargs, rows=7)[0], chunked)  # (validation)
+
+
+def test_the_non_finite_checks_wait_for_the_device_once_per_step_and_weights_only_before_a_checkpoint():
+    """StopOnNonFinite on a drafter's ~20 parameters: the loss and every gradient in one wait before the optimizer
+    step; the weights in one wait, at a step whose checkpoint follows (every 50 steps here), none at the others."""
+    from types import SimpleNamespace
+
+    from eaglelab.training import StopOnNonFinite
+
+    module = DrafterModule(small_config(vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=H_T),
+                           TrainConfig())  # fmt: skip
+    for p in module.parameters():
+        p.grad = torch.zeros_like(p)
+    stop = StopOnNonFinite(checkpoint_every_n_steps=50)
+    trainer = SimpleNamespace(global_step=49, precision_plugin=SimpleNamespace(scaler=None))
+    with HostSyncs() as syncs:
+        stop.on_before_backward(trainer, module, torch.tensor(2.0))
+        stop.on_before_optimizer_step(trainer, module, None)
+        stop.on_train_batch_end(trainer, module, None, None, 0)  # step 49: no checkpoint follows
+    assert sum(syncs.ops.values()) == 1 and len(list(module.parameters())) > 10
+    trainer.global_step = 50
+    with HostSyncs() as syncs:
+        stop.on_train_batch_end(trainer, module, None, None, 0)
+    assert sum(syncs.ops.values()) == 1
+    module.drafter.fc.weight.grad[0, 0] = float("nan")
+    with pytest.raises(TrainingError, match="non-finite gradient at step 50"):
+        stop.on_before_optimizer_step(trainer, module, None)
+
+
+def test_token_budget_batches_group_lengths_cover_each_sequence_once_and_resume_mid_epoch():
+    """train.tokens_per_batch: every sequence once per epoch, each batch within the budget (rows × its longest) unless
+    it is one sequence longer than the budget, far less padding than batches of a fixed count on a long-tailed mix,
+    a seeded order that differs by epoch, and a resumed sampler that continues at the batch after the last taken."""
+    from eaglelab.training import EpochBatches
+
+    g = torch.Generator().manual_seed(0)
+    lengths = (50 + torch.rand(600, generator=g).pow(3) * 4000).long().tolist()  # 50..4,050 tokens, long-tailed
+    budget = 4096
+
+    def padding(batches):
+        computed = sum(len(b) * max(lengths[i] for i in b) for b in batches)
+        return 1 - sum(lengths[i] for b in batches for i in b) / computed
+
+    grouped = EpochBatches(600, 2, seed=3, lengths=lengths, tokens_per_batch=budget)
+    epoch0 = list(grouped)
+    assert sorted(i for b in epoch0 for i in b) == list(range(600))
+    assert all(len(b) * max(lengths[i] for i in b) <= budget or len(b) == 1 for b in epoch0)
+    assert padding(epoch0) < 0.02 < 0.25 < padding(list(EpochBatches(600, 2, seed=3)))
+    assert epoch0 == list(EpochBatches(600, 2, seed=3, lengths=lengths, tokens_per_batch=budget))  # seeded
+    grouped.set_epoch(1)
+    assert list(grouped) != epoch0
+    resumed = EpochBatches(600, 2, seed=3, lengths=lengths, tokens_per_batch=budget)
+    resumed._resume = (0, 5)
+    taken = iter(resumed)
+    assert next(taken) == epoch0[5]
+    resumed.batch_taken()
+    assert resumed.served == 6  # a checkpoint now resumes at batch 6, whatever a loader's workers read ahead
+
+
+def test_a_sequences_loss_does_not_depend_on_the_batch_it_is_in():
+    """Length-grouped or not, each sequence is its own row: its drafts, labels and losses are the same alone as beside
+    a longer (padded) one, so the summed loss of a batch is the sum of its sequences' (float32 tolerance)."""
+    module, batch = loss_module("kl", step_decay=0.8), hand_batch()  # (KL: every label counts, as `counted` says)
+    with torch.no_grad():
+        _, together, _, counts = module.ttt(batch, 3)
+        alone = []
+        for b, n in enumerate(batch.seq_len.tolist()):
+            one = Batch(
+                input_ids=batch.input_ids[b : b + 1, :n], prompt_len=batch.prompt_len[b : b + 1],
+                seq_len=batch.seq_len[b : b + 1], index=batch.index[b : b + 1],
+                target_next=batch.target_next[b : b + 1, :n], aux=batch.aux[b : b + 1, :n],
+                final=batch.final[b : b + 1, :n],
+            )  # fmt: skip
+            _, losses, _, n_j = module.ttt(one, 3)
+            alone.append([float(loss) * c for loss, c in zip(losses, n_j)])
+    for j in range(3):
+        assert float(together[j]) * counts[j] == pytest.approx(sum(a[j] for a in alone), rel=1e-5)
+
+
+def test_a_resumed_loader_with_workers_reads_the_resumed_epochs_batches_from_its_position():
+    """Lightning makes a resumed run's loader iterator before it sets the sampler's epoch; loader workers fetch as soon
+    as an iterator exists. The batches must still be those of the resumed epoch, from the one after the last taken
+    (read too early, they were epoch 0's from its start: a resumed run with workers trained on other batches)."""
+    from eaglelab.training import EpochBatches, ResumableLoader
+
+    sampler = EpochBatches(40, 2, seed=1)
+    loader = ResumableLoader(
+        list(range(40)), batch_sampler=sampler, collate_fn=list, num_workers=2, prefetch_factor=2,
+        persistent_workers=True,
+    )  # fmt: skip
+    loader.load_state_dict({"epoch": 2, "served": 3})
+    batches = iter(loader)  # (Lightning's setup_data)
+    sampler.set_epoch(2)  # (then the fit loop, before the first batch)
+    expected = EpochBatches(40, 2, seed=1)
+    expected.set_epoch(2)
+    assert [next(batches) for _ in range(2)] == list(expected)[3:5]

@@ -71,11 +71,16 @@ class Batch:
     index: torch.Tensor  # [B] the sequences' rows in their store
     known_len: torch.Tensor | None = None  # [B] seq_len + the tail's length (None: no tail, seq_len)
     target_next: torch.Tensor | None = None  # [B, T] target's greedy next token (None until states are known)
-    aux: torch.Tensor | None = None  # [B, T, n·H_t] float32
-    final: torch.Tensor | None = None  # [B, T, H_t] target post-norm state (KL only)
+    aux: torch.Tensor | None = None  # [B, T, n·H_t] captured target states, in the dtype they were stored in
+    final: torch.Tensor | None = None  # [B, T, H_t] target post-norm state (KL only), likewise
     # [B, S, 2] earlier assistant turns (start, end) of multi-turn conversations, trained on like the response
     # [prompt_len, seq_len); (0, 0) pads. None: one turn each.
     spans: torch.Tensor | None = None
+
+    def pin_memory(self) -> Batch:
+        """The batch in page-locked host memory (DataLoader(pin_memory=True) calls this): its copy to a CUDA device can
+        then run beside the step."""
+        return Batch(**{k: v.pin_memory() if v is not None else None for k, v in vars(self).items()})
 
     @property
     def first(self) -> torch.Tensor:
@@ -133,8 +138,8 @@ def collate(items: list[dict]) -> Batch:
         index=torch.tensor([it["index"] for it in items], device="cpu"),
         known_len=known_len,
         target_next=pad("target_next", value=-1),
-        aux=aux.float() if aux is not None else None,
-        final=final.float() if final is not None else None,
+        aux=aux,  # in the stored dtype: the drafter reads it in its own, on its device (`Eagle3Drafter.fc_input`)
+        final=final,
         spans=spans,
     )
 

@@ -241,6 +241,10 @@ class TrainConfig:
     freeze_lm_head: bool = False  # keep lm_head and the final norm at their initialisation (the target's rows)
     warmup_steps: int = 20
     batch_size: int = 2
+    # null: batches of batch_size sequences. N: batches cut by tokens instead, length-grouped: as many sequences of
+    # like length as fit N padded tokens per process (little of a step is padding; training.EpochBatches).
+    tokens_per_batch: int | None = None
+    accumulate_grad_batches: int = 1  # batches whose gradients one optimizer step takes (Lightning's)
     epochs: int = 8
     max_steps: int = -1
     grad_clip: float = 0.5
@@ -261,7 +265,13 @@ class TrainConfig:
     num_nodes: int = 1
     strategy: str = "auto"
     num_threads: int = 0  # 0: all cores
+    # DataLoader worker processes that read, collate and pin the next batches while the step computes. null: 4 on
+    # CUDA (pinned memory too), none on a CPU, where workers would take the cores the step computes on.
+    num_workers: int | None = None
     checkpoint_every_n_steps: int = 50  # the resume point after a preemption (lightning/last.ckpt)
+    # write lightning/last.ckpt in a thread while training goes on (the state is copied first, on the device, so the
+    # file is the step's): the step waits for the copy, not the disk. Still atomic: a killed write never replaces it.
+    async_checkpoint: bool = True
     # torch's deterministic algorithms (Lightning's Trainer(deterministic=...)). null: on a CPU only, where they cost
     # nothing. On CUDA they exclude cuDNN's attention (SDPA takes flash instead): an 8B drafter's training step was
     # 1.55x slower at T = 32k on an H200 and 1.22x at 8k (benchmarks/step_scaling.py --deterministic). true: GPU runs
@@ -276,6 +286,8 @@ class TrainConfig:
             ttt_steps=self.ttt_steps,
             lr=self.lr,
             batch_size=self.batch_size,
+            tokens_per_batch=self.tokens_per_batch or 1,
+            accumulate_grad_batches=self.accumulate_grad_batches,
             epochs=self.epochs,
             checkpoint_every_n_steps=self.checkpoint_every_n_steps,
             devices=self.devices,
@@ -287,6 +299,7 @@ class TrainConfig:
             warmup_steps=self.warmup_steps,
             grad_clip=self.grad_clip,
             num_threads=self.num_threads,
+            num_workers=self.num_workers or 0,
         )
         if not 0.0 < self.step_decay <= 1.0:
             raise ConfigError(f"train.step_decay must be in (0, 1], got {self.step_decay}")

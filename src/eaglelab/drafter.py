@@ -518,7 +518,10 @@ class Eagle3Drafter(nn.Module):
         return self.d2t + torch.arange(len(self.d2t), device=self.d2t.device)
 
     def fc_input(self, aux: torch.Tensor) -> torch.Tensor:
-        """aux: [B, T, n_aux·H_t] captured target states -> what fc reads (same shape)."""
+        """aux: [B, T, n_aux·H_t] captured target states -> what fc reads (same shape). The states come in the dtype
+        they were stored in (the target's, often 16 bits: a quarter of the bytes through the loader and to the
+        device) and are read in the drafter's own here, on its device."""
+        aux = aux.to(self.fc.weight.dtype)
         if self.cfg.norm_before_fc:
             aux = self.input_norm(aux)
         if self.cfg.fc_norm:

@@ -54,6 +54,7 @@ import torch
 
 from eaglelab.config import RunConfig, check_depths_and_lengths, max_k, resolve_capture_backend
 from eaglelab.devices import cpu_bf16_kernels
+from eaglelab.draft_loss import chunk_rows
 from eaglelab.drafter import Attention, Eagle3Config
 from eaglelab.errors import ConfigError, DiskFull, ResourceError
 from eaglelab.targets import Target, free_memory, proc_bytes
@@ -389,7 +390,6 @@ def ttt_kept_bytes(
     d: Eagle3Config,
     lowp: int,
     stream: int,
-    kl: bool,
     checkpointing: bool = False,
 ) -> int:
     """What autograd keeps for the backward pass of one training batch (`DrafterModule.ttt` over
@@ -409,20 +409,23 @@ def ttt_kept_bytes(
                     (4·h·(2·(j-1) + 1)) and their weighted values (4·h·d)
 
     No term grows with T per position (`eaglelab.drafter.Attention`), except a sliding window's mask, float32
-    [T + 1, T + 1] per layer and step. Per label and step (at most `response` - j per sequence): the
-    log-probabilities over the draft vocabulary in float32 (4·V_d; KL keeps the teacher's distribution too) and
-    lm_head's input (H). With activation checkpointing, a layer keeps only its inputs (the float32 embeddings and
-    the hidden state) and one layer-step's share is rebuilt at a time in the backward pass."""
+    [T + 1, T + 1] per layer and step. Per label and step (at most `response` - j per sequence): the gradient of
+    lm_head's input, taken in the forward pass (`eaglelab.draft_loss`: no [labels, V_d] logits kept), in the
+    stream's dtype (H) and its (row, position) indices; per step, lm_head's float32 gradient (V_d·H). With
+    activation checkpointing, a layer keeps only its inputs (the float32 embeddings and the hidden state) and one
+    layer-step's share is rebuilt at a time in the backward pass."""
     B, T, H = batch, length, d.hidden_size
     per_step = layer_step_bytes(B, T, steps, d, lowp, stream)
     if checkpointing:  # the layers keep their inputs; one layer-step is rebuilt at a time in the backward pass
         aux = B * T * (4 + lowp) * len(d.aux_layer_ids) * d.target_hidden_size  # the states, fc's input
-        # per step: the embeddings, each layer's input hidden state, the last one's output and its norm
-        layers = steps * B * T * stream * H * (d.num_layers + 3) + aux + max(per_step)
+        # per step: the embeddings, each layer's input hidden state, the last one's output and its norm; step 1's
+        # stream (fc's output, then the layer's sum) in the autocast dtype until the norm takes it to float32
+        stream_states = steps * B * T * stream * H * (d.num_layers + 3) - 2 * B * T * H * (stream - lowp)
+        layers = stream_states + aux + max(per_step)
     else:
         layers = d.num_layers * sum(per_step)
     labels = sum(B * max(response - j, 0) for j in range(1, steps + 1))
-    return layers + labels * (4 * d.draft_vocab_size * (2 if kl else 1) + lowp * H)
+    return layers + labels * (stream * H + 16) + steps * 4 * d.draft_vocab_size * H  # (+ the labels' two int64 indices)
 
 
 def layer_step_bytes(B: int, T: int, steps: int, d: Eagle3Config, lowp: int, stream: int) -> list[int]:
@@ -451,8 +454,10 @@ def unroll_alive_bytes(
 ) -> int:
     """What an unroll holds besides autograd's share (or, without gradients, all it holds): every step's
     states scattered to the full length (3 × [B, T, H]), the attention caches (k, v per step and layer), and the
-    largest transient: the fused kernel's padded inputs and output over T + 1 rows, or one step's logits
-    over the draft vocabulary at its `rows` labelled positions (16 bits out of lm_head, float32, log-softmax).
+    largest transient: the fused kernel's padded inputs and output over T + 1 rows, or the logits over the draft
+    vocabulary: the loss's chunk of rows (`draft_loss.chunk_rows`: 16 bits out of lm_head, the float32 log-softmax
+    and the teacher's distribution, the gradient cast back), or validation's drafts at a step's `rows` labelled
+    positions (16 bits each).
     `probed` (the drift suite): the explicit softmax instead, one query block's score chain at a time (scores,
     masked, concatenated) with the context's keys and values repeated to every head."""
     H, h, B, T = d.hidden_size, d.num_attention_heads, batch, length
@@ -465,7 +470,8 @@ def unroll_alive_bytes(
     else:
         attention = 2 * B * (T + 1) * (h + d.num_key_value_heads) * (d.head_dim + Attention.PAD) * lowp
         attention += 4 * (T + 1) ** 2 if d.attention_window is not None else 0  # the window's mask, float32
-    logits = rows * d.draft_vocab_size * (lowp + 4 + 4)
+    V = d.draft_vocab_size
+    logits = max(rows * V * lowp, min(rows, chunk_rows(V)) * V * (lowp + 4 + 4 + lowp))
     return outs + caches + max(attention, logits)
 
 
@@ -487,7 +493,7 @@ def train_bytes(
     kl = train.loss == "kl"
     inputs = B * T * (len(d.aux_layer_ids) + kl) * d.target_hidden_size * 6  # the stored 16 bits, then float32
     rows = B * response  # labelled positions: the responses'
-    kept = ttt_kept_bytes(B, T, S, response, d, lowp, stream, kl, train.activation_checkpointing)
+    kept = ttt_kept_bytes(B, T, S, response, d, lowp, stream, train.activation_checkpointing)
     step = kept + unroll_alive_bytes(B, T, S, rows, d, lowp, stream)
     validation = unroll_alive_bytes(B, T, 2 * S, rows, d, lowp, stream)
     online = capture_bytes(t, len(d.aux_layer_ids), B * T, rows) if cfg.features.kind != "cached" else 0

@@ -82,7 +82,16 @@ def train_drafter(
         run_id = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]  # the same in every process
         module.hybrid = HybridStates(features, features.states_dir, with_final, run_id, cfg.data.shard_size)
     loader = ResumableLoader(
-        train_set, collate_fn=collate, batch_sampler=EpochBatches(len(train_set), cfg.train.batch_size, cfg.train.seed)
+        train_set,
+        collate_fn=collate,
+        batch_sampler=EpochBatches(
+            len(train_set),
+            cfg.train.batch_size,
+            cfg.train.seed,
+            lengths=features.tokens.lengths()[[features.rows[i] for i in train_idx]].tolist(),
+            tokens_per_batch=cfg.train.tokens_per_batch,
+        ),
+        **loader_options(cfg.train),
     )
     module.train_batches = loader.batch_sampler
     # Each rank validates its share of the validation sequences (the counts are summed over the ranks before τ and
@@ -96,6 +105,7 @@ def train_drafter(
             ),
             batch_size=cfg.train.batch_size,
             collate_fn=collate,
+            **loader_options(cfg.train),
         )
         if val_set
         else None
@@ -113,7 +123,8 @@ def train_drafter(
         if is_primary():
             keep_previous_log(run_dir)
     del state
-    keep_best = KeepBest(f"val/acceptance_length@k{cfg.train.ttt_steps}") if cfg.train.keep == "best" else None
+    monitor = f"val/acceptance_length@k{cfg.train.ttt_steps}"
+    keep_best = KeepBest(monitor, run_dir / "lightning") if cfg.train.keep == "best" else None
     trainer = make_trainer(cfg, run_dir, loggers(), [keep_best] if keep_best else [])
     trainer.fit(module, loader, val_loader, ckpt_path=resume)
     if trainer.interrupted:
@@ -131,12 +142,25 @@ def train_drafter(
     )
     module.final_metrics = metrics
     trainer.save_checkpoint(ckpt)  # the finished state with its metrics (every process joins; process 0 writes)
+    trainer.strategy.checkpoint_io.teardown()  # (an asynchronous write: on disk before the run goes on)
+    if keep_best is not None and is_primary():
+        keep_best.clear()
     if is_primary() and any((run_dir / "logs").glob("metrics.attempt*.csv")):
         merge_logs(run_dir / "logs")
     # The module and the trainer reference each other: drop the target from the module now, so the device memory
     # it holds is free when an evaluation engine starts (eaglelab.devices.engine_placement collects the rest).
     module.online = module.hybrid = None
     return module.drafter, metrics
+
+
+def loader_options(t: TrainConfig) -> dict:
+    """The input pipeline (train.num_workers, null resolved): worker processes read and collate the next batches while
+    the step computes, and on CUDA pin them, so the copy to the device is asynchronous."""
+    cuda = on_cuda(t.accelerator)
+    workers = t.num_workers if t.num_workers is not None else (4 if cuda else 0)
+    if not workers:
+        return {"pin_memory": cuda}
+    return {"pin_memory": cuda, "num_workers": workers, "prefetch_factor": 4, "persistent_workers": True}
 
 
 def validation_share(count: int, ranks) -> list[int]:
@@ -208,10 +232,12 @@ def deterministic(t: TrainConfig) -> bool:
 
 def make_trainer(cfg: RunConfig, run_dir: Path, loggers: list | bool, extra_callbacks: list | None = None):
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
     t = cfg.train
     # The environment eaglelab.ranks read the trial's ranks from, so Lightning's ranks are the same.
-    plugins = [AtomicCheckpointIO(), cluster_environment()]
+    checkpoint_io = AsyncCheckpointIO(AtomicCheckpointIO()) if t.async_checkpoint else AtomicCheckpointIO()
+    plugins = [checkpoint_io, cluster_environment()]
     for stale in (run_dir / "lightning").glob(".*.tmp-*"):  # a killed save's temporary file: never the checkpoint
         stale.unlink(missing_ok=True)
     return L.Trainer(
@@ -224,6 +250,7 @@ def make_trainer(cfg: RunConfig, run_dir: Path, loggers: list | bool, extra_call
         max_epochs=t.epochs,
         max_steps=t.max_steps,
         gradient_clip_val=t.grad_clip or None,
+        accumulate_grad_batches=t.accumulate_grad_batches,
         logger=loggers,
         log_every_n_steps=5,
         deterministic=deterministic(t),
@@ -239,7 +266,7 @@ def make_trainer(cfg: RunConfig, run_dir: Path, loggers: list | bool, extra_call
                 enable_version_counter=False,
             ),
             FlushLogsWithCheckpoints(),
-            StopOnNonFinite(),
+            StopOnNonFinite(t.checkpoint_every_n_steps),
             OneSignalOwner(),
             *(extra_callbacks or []),
         ],

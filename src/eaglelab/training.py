@@ -17,7 +17,6 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch.utils.data import DataLoader, Sampler
 
@@ -25,11 +24,11 @@ from eaglelab import preemption
 from eaglelab.acceptance import AcceptanceCounts
 from eaglelab.batches import Batch, HybridStates, OnlineStates, acceptance_counts, shift
 from eaglelab.config import TrainConfig
+from eaglelab.draft_loss import draft_head_loss
 from eaglelab.drafter import Eagle3Config, Eagle3Drafter
 from eaglelab.errors import TrainingError
 from eaglelab.io import atomic_file
 from eaglelab.preemption import uninterruptible
-from eaglelab.ranks import is_primary
 
 
 class EpochBatches(Sampler):
@@ -40,10 +39,29 @@ class EpochBatches(Sampler):
     the batches one process with batch_size W·b does (DDP equivalence), and the order never depends on what ran
     before. The batches served in the current epoch are part of a checkpoint (see `ResumableLoader`), so a
     job resumed mid-epoch continues at the next batch instead of replaying or reshuffling the epoch.
+
+    With a token budget (`tokens_per_batch`, and the sequences' `lengths`) a batch is cut by tokens, not by count:
+    each window of GROUP_WINDOW sequences of the permutation is sorted by length and cut greedily into batches whose
+    padded size, rows × the longest, stays within the budget on each process; the batches are then shuffled (seeded).
+    Sequences of like length share a batch, so little of a step is padding, and a batch of short sequences holds many.
     """
 
-    def __init__(self, n: int, batch_size: int, seed: int, shuffle: bool = True):
+    GROUP_WINDOW = 1024  # sequences sorted together: wide enough to find equal lengths, narrow enough to stay random
+
+    def __init__(
+        self,
+        n: int,
+        batch_size: int,
+        seed: int,
+        shuffle: bool = True,
+        lengths: list[int] | None = None,
+        tokens_per_batch: int | None = None,
+    ):
         self.n, self.batch_size, self.seed, self.shuffle = n, batch_size, seed, shuffle
+        self.lengths = torch.as_tensor(lengths, dtype=torch.long) if lengths is not None else None
+        self.tokens_per_batch = tokens_per_batch
+        if tokens_per_batch is not None and (self.lengths is None or len(self.lengths) != n):
+            raise ValueError("a token budget needs every sequence's length")
         self.epoch, self.served = 0, 0
         self._resume: tuple[int, int] | None = None  # (epoch, batches already served) from a checkpoint
         self.sampler = self  # Lightning calls set_epoch on `loader.batch_sampler.sampler`
@@ -63,9 +81,28 @@ class EpochBatches(Sampler):
             if self.shuffle
             else torch.arange(self.n, device="cpu")
         )
+        if self.tokens_per_batch is not None:
+            return self._budget_batches(order, world, generator)
         size = self.batch_size * world
         # A last global batch with fewer sequences than processes would leave a process without data.
         return [b for b in order.split(size) if len(b) >= world]
+
+    def _budget_batches(self, order: torch.Tensor, world: int, generator: torch.Generator) -> list[torch.Tensor]:
+        """Length-grouped global batches of at most `tokens_per_batch` padded tokens per process (a sequence longer
+        than the budget goes alone, one per process), in a seeded random order."""
+        batches = []
+        for window in order.split(self.GROUP_WINDOW):
+            window = window[torch.argsort(self.lengths[window], descending=True, stable=True)]
+            start = 0
+            while start < len(window):
+                longest = int(self.lengths[window[start]])  # the first of a batch is its longest (sorted)
+                rows = max(1, self.tokens_per_batch // longest) * world
+                batches.append(window[start : start + rows])
+                start += rows
+        batches = [b for b in batches if len(b) >= world]
+        if self.shuffle:
+            batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+        return batches
 
     def set_epoch(self, epoch: int) -> None:  # called by Lightning before each training epoch
         self.epoch = epoch
@@ -77,20 +114,43 @@ class EpochBatches(Sampler):
         rank, world = self._world()
         start = self._resume[1] if self._resume and self._resume[0] == self.epoch else 0
         self._resume = None
+        self.served = start  # counted as the step takes them (`batch_taken`): loader workers run ahead of it
         for i, batch in enumerate(self._global_batches()):
             if i >= start:
-                self.served = i + 1  # counted as it is handed out: Lightning does not prefetch a sized loader
                 yield batch[rank::world].tolist()
+
+    def batch_taken(self) -> None:
+        """The training step took the next batch (DrafterModule.on_train_batch_start): a checkpoint written after it
+        resumes at the one after."""
+        self.served += 1
 
 
 class ResumableLoader(DataLoader):
     """A DataLoader Lightning checkpoints (it has state_dict/load_state_dict): the sampler's position."""
+
+    def __iter__(self):
+        # Lightning makes a resumed run's iterator before it sets the sampler's epoch. Loader workers would start
+        # reading batches at once, in the order of the wrong epoch: the real iterator is made at the first batch.
+        return _AtFirstBatch(super().__iter__)
 
     def state_dict(self) -> dict:
         return {"epoch": self.batch_sampler.epoch, "served": self.batch_sampler.served}
 
     def load_state_dict(self, state: dict) -> None:
         self.batch_sampler._resume = (int(state["epoch"]), int(state["served"]))
+
+
+class _AtFirstBatch:
+    def __init__(self, make):
+        self.make, self.iterator = make, None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.iterator is None:
+            self.iterator = self.make()
+        return next(self.iterator)
 
 
 def per_process_mean(count: torch.Tensor) -> torch.Tensor:
@@ -142,64 +202,125 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 class StopOnNonFinite(L.Callback):
-    """A non-finite gradient or weight stops training before the optimizer step or the checkpoint that would
-    keep it (Lightning runs checkpoint callbacks last): lightning/last.ckpt always holds finite weights. The
-    loss itself is checked in `training_step`, before the backward pass."""
+    """A non-finite loss, gradient or weight stops training before the optimizer step or the checkpoint that would
+    keep it (Lightning runs checkpoint callbacks last): lightning/last.ckpt always holds finite weights. Each check
+    waits for the device once (a check per tensor made the host wait ~20 times a step): the
+    loss and the gradients before every optimizer step, the weights only before a step's checkpoint is written,
+    which is all the guarantee needs."""
+
+    def __init__(self, checkpoint_every_n_steps: int):
+        self.checkpoint_every_n_steps = checkpoint_every_n_steps
+        self.loss: torch.Tensor | None = None
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self.loss = loss.detach()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
-            return  # fp16's loss scaler makes inf gradients on purpose and skips those steps itself
-        if not all(torch.isfinite(p.grad).all() for p in pl_module.parameters() if p.grad is not None):
+            grads = []  # fp16's loss scaler makes inf gradients on purpose and skips those steps itself
+        loss = [self.loss] if self.loss is not None else []
+        if not loss + grads:
+            return
+        finite = finite_each(loss + grads)
+        if bool(finite.all()):  # the step's one wait for the device
+            return
+        if loss and not bool(finite[0]):
             raise TrainingError(
-                f"non-finite gradient at step {trainer.global_step}; lightning/last.ckpt keeps the "
-                "last finite weights; lower train.lr or train.grad_clip"
+                f"non-finite loss at step {trainer.global_step}; lightning/last.ckpt keeps the last "
+                "finite weights; lower train.lr or train.grad_clip"
             )
+        raise TrainingError(
+            f"non-finite gradient at step {trainer.global_step}; lightning/last.ckpt keeps the last finite weights; "
+            "lower train.lr or train.grad_clip"
+        )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if not all(torch.isfinite(p).all() for p in pl_module.parameters() if p.requires_grad):
+        if trainer.global_step % self.checkpoint_every_n_steps:  # no checkpoint after this step: nothing to guard
+            return
+        if not weights_finite(pl_module):
             raise TrainingError(
                 f"non-finite weights after step {trainer.global_step}; lightning/last.ckpt keeps "
                 "the last finite weights; lower train.lr"
             )
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        """The last step's weights, which the final checkpoint (`trainer.train_drafter`) keeps, whatever the cadence."""
+        if not weights_finite(pl_module):
+            raise TrainingError(f"non-finite weights after step {trainer.global_step}; lower train.lr")
+
+
+def finite_each(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """[n] bool on the device: whether each tensor is finite throughout, stacked so that the host waits once, not once
+    per tensor. (Element by element: a norm would call finite but huge weights non-finite.)"""
+    return torch.stack([torch.isfinite(t.detach()).all() for t in tensors])
+
+
+def weights_finite(module: torch.nn.Module) -> bool:
+    weights = [p for p in module.parameters() if p.requires_grad]
+    return not weights or bool(finite_each(weights).all())
+
 
 class KeepBest(L.Callback):
     """train.keep=best: the drafter of the validation pass with the highest `monitor` (validation τ at k = ttt),
     not the last one. A small drafter on little data overfits (validation τ peaks, then slips while training
-    accuracy climbs), so the last epoch is rarely the one to export. The best weights (the frozen shared
-    embeddings left out) and that pass's validation metrics ride in every checkpoint, so a resumed run keeps them."""
+    accuracy climbs), so the last epoch is rarely the one to export.
 
-    def __init__(self, monitor: str):
-        self.monitor, self.score, self.epoch = monitor, float("-inf"), -1
-        self.weights: dict[str, torch.Tensor] = {}
+    The best weights (the frozen shared embeddings left out) go to a file of their own, `folder/best-epoch{E}.pt`,
+    written by process 0 atomically, instead of a float32 copy in host memory that every checkpoint also carried (about
+    5 GB per checkpoint at an 8B drafter's shape). A checkpoint records the best pass's score, epoch and metrics; the
+    file it names is kept until a later checkpoint names another, so a run resumed from whichever checkpoint is on
+    disk finds its best weights."""
+
+    def __init__(self, monitor: str, folder: Path):
+        self.monitor, self.folder = monitor, Path(folder)
+        self.score, self.epoch = float("-inf"), -1
         self.metrics: dict[str, float] = {}
+        self._checkpointed_epoch = -1  # the best epoch the checkpoint now on disk names (its file stays)
+
+    def path(self, epoch: int) -> Path:
+        return self.folder / f"best-epoch{epoch}.pt"
 
     def on_validation_end(self, trainer, pl_module) -> None:
         score = trainer.callback_metrics.get(self.monitor)
         if trainer.sanity_checking or score is None or not float(score) > self.score:
             return
         self.score, self.epoch = float(score), trainer.current_epoch
-        if trainer.is_global_zero:  # rank 0 exports and saves checkpoints: the others hold no host copy
+        if trainer.is_global_zero:  # (torch.save copies one tensor at a time to the host, not the whole state)
             state = pl_module.drafter.state_dict()
-            self.weights = {k: v.detach().cpu().clone() for k, v in state.items() if not k.startswith("embed_tokens")}
+            state = {k: v.detach() for k, v in state.items() if not k.startswith("embed_tokens")}
+            with atomic_file(self.path(self.epoch), "wb") as f:
+                torch.save(state, f)
         self.metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        """This checkpoint names the current best; the one it replaces named `_checkpointed_epoch`. Files of any other
+        epoch are named by neither and go (process 0, which wrote them)."""
+        if trainer.is_global_zero:
+            keep = {self.path(self.epoch), self.path(self._checkpointed_epoch)}
+            for stale in set(self.folder.glob("best-epoch*.pt")) - keep:
+                stale.unlink(missing_ok=True)
+        self._checkpointed_epoch = self.epoch
 
     def restore(self, pl_module) -> dict[str, float]:
         """The best pass's weights into `pl_module`; -> its validation metrics and epoch (empty: never validated)."""
-        if not self.weights:
+        if self.epoch < 0:
             return {}
-        pl_module.drafter.load_state_dict(self.weights, strict=False)
+        state = torch.load(self.path(self.epoch), map_location="cpu", weights_only=True)
+        pl_module.drafter.load_state_dict(state, strict=False)
         return {**self.metrics, "train/kept_epoch": float(self.epoch)}
 
+    def clear(self) -> None:
+        """Once the final checkpoint holds the kept weights themselves, their files are not needed."""
+        for stale in self.folder.glob("best-epoch*.pt"):
+            stale.unlink(missing_ok=True)
+
     def state_dict(self) -> dict:
-        return {"score": self.score, "epoch": self.epoch, "weights": self.weights, "metrics": self.metrics}
+        return {"score": self.score, "epoch": self.epoch, "metrics": self.metrics}
 
     def load_state_dict(self, state: dict) -> None:
-        self.score, self.epoch = state["score"], state["epoch"]
-        self.metrics = state["metrics"]
-        # Rank 0 keeps its own copy (the checkpoint is memory-mapped, and a later save replaces the file); the
-        # other ranks export nothing and keep none.
-        self.weights = {k: v.clone() for k, v in state["weights"].items()} if is_primary() else {}
+        self.score, self.epoch, self.metrics = state["score"], state["epoch"], state["metrics"]
+        self._checkpointed_epoch = self.epoch
 
 
 # --- the module --------------------------------------------------------------------------------
@@ -237,9 +358,25 @@ class DrafterModule(L.LightningModule):
         return batch
 
     _epoch_started: float | None = None
+    _batch_ended: float | None = None
+    _input_wait = 0.0
+    _positions: torch.Tensor | int = 0
+    _computed = 0
 
     def on_train_epoch_start(self) -> None:
-        self._epoch_started = time.perf_counter()
+        self._epoch_started, self._batch_ended, self._input_wait = time.perf_counter(), None, 0.0
+        self._positions = self._computed = 0  # sequence positions trained, and positions computed (padding too)
+
+    def on_train_batch_start(self, batch: Batch, batch_idx: int) -> None:
+        if self.train_batches is not None:
+            self.train_batches.batch_taken()
+        # From one step's end to the next one's start the loop waits for the next batch (read, collated, moved to
+        # the device, and with online features the target's forward): the input pipeline's share of the epoch.
+        if self._batch_ended is not None:
+            self._input_wait += time.perf_counter() - self._batch_ended
+
+    def on_train_batch_end(self, outputs, batch: Batch, batch_idx: int) -> None:
+        self._batch_ended = time.perf_counter()
 
     def on_train_epoch_end(self) -> None:  # (Lightning 2 calls it after the epoch's validation)
         if self.hybrid is not None and not self.hybrid.published:
@@ -248,6 +385,15 @@ class DrafterModule(L.LightningModule):
         # Not for an epoch this attempt did not start (a resume may begin at its end); a resumed one logs its rest.
         if self._epoch_started is not None:
             self.log("time/epoch_s", time.perf_counter() - self._epoch_started, sync_dist=True)
+            self.log("time/input_wait_s", self._input_wait, sync_dist=True)
+            if (
+                self._computed and self._batch_ended is not None
+            ):  # what the batching costs: padded positions, and positions trained per second
+                positions = float(self._positions)
+                self.log("train/padding_share", 1.0 - positions / self._computed, sync_dist=True)
+                self.log(
+                    "time/positions_per_s", positions / (self._batch_ended - self._epoch_started), sync_dist=True
+                )  # (validation not counted)
             self._epoch_started = None
 
     def teacher_head(self) -> torch.Tensor:
@@ -270,16 +416,19 @@ class DrafterModule(L.LightningModule):
             # host sync of a step: a boolean mask would wait for the device at each of its uses, and backward).
             valid = batch.drafting(j).nonzero(as_tuple=True)
             label = shift(batch.target_next, j)[valid]  # target's greedy token after t+j: [N]
-            logp = F.log_softmax(d.lm_head(out.normed[valid]).float(), dim=-1)  # [N, V_draft], loss rows only
-            if self.train_cfg.loss == "ce":
-                in_vocab = d.t2d[label]  # tokens outside the draft vocab cannot be learnt
-                nll = -logp.gather(-1, target_to_draft.clamp(min=0)[label][:, None])[:, 0]
-                loss_j = (nll * in_vocab).sum() / per_process_mean(in_vocab.sum()).clamp(min=1)
+            # Summed over the rows, through the head in chunks (eaglelab.draft_loss: no [N, V_draft] logits kept)
+            if self.train_cfg.loss == "ce":  # tokens outside the draft vocab cannot be learnt (index -1)
+                index = target_to_draft[label].masked_fill(~d.t2d[label], -1)
+                summed, draft = draft_head_loss(out.normed[valid], d.lm_head.weight, index=index)
+                count = d.t2d[label].sum()
             else:
-                p = F.softmax((shift(batch.final, j)[valid] @ self.teacher_head().T).float(), dim=-1)
-                kl = (p * (torch.log(p.clamp_min(1e-20)) - logp)).sum(-1)  # [N]
-                loss_j = kl.sum() / per_process_mean(torch.tensor(float(len(kl)), device=kl.device)).clamp(min=1)
-            hit = d.to_target_ids(logp.argmax(-1)) == label
+                teacher = shift(batch.final, j)[valid]  # target's post-norm state at t+j: its next-token distribution
+                summed, draft = draft_head_loss(
+                    out.normed[valid], d.lm_head.weight, teacher_states=teacher, teacher_head=self.teacher_head()
+                )
+                count = torch.tensor(float(len(label)), device=label.device)
+            loss_j = summed / per_process_mean(count).clamp(min=1)
+            hit = d.to_target_ids(draft) == label
             total = total + self.train_cfg.step_decay ** (j - 1) * loss_j
             losses.append(loss_j.detach())
             correct.append(hit.sum())  # a device tensor: read when logged, not here
@@ -287,12 +436,9 @@ class DrafterModule(L.LightningModule):
         return total, losses, correct, counted
 
     def training_step(self, batch: Batch, batch_idx: int):
-        loss, losses, correct, counted = self.ttt(batch, self.train_cfg.ttt_steps)
-        if not torch.isfinite(loss):
-            raise TrainingError(
-                f"non-finite loss at step {self.global_step}; lightning/last.ckpt keeps the last "
-                "finite weights; lower train.lr or train.grad_clip"
-            )
+        loss, losses, correct, counted = self.ttt(batch, self.train_cfg.ttt_steps)  # (checked: StopOnNonFinite)
+        self._positions = self._positions + batch.seq_len.sum()  # (a device tensor: read once an epoch)
+        self._computed += batch.input_ids.numel()
         # Each process's terms are already divided by the mean count per process, so their mean over
         # processes (sync_dist) is the global figure; in one process sync_dist does nothing.
         bs = batch.input_ids.shape[0]
@@ -357,7 +503,8 @@ class DrafterModule(L.LightningModule):
         restored, and a resumed run would then start its epoch's data order again."""
         if self.train_batches is None:
             return int(self.trainer.estimated_stepping_batches)
-        steps = len(self.train_batches) * self.trainer.max_epochs
+        per_epoch = -(-len(self.train_batches) // self.trainer.accumulate_grad_batches)  # (a last partial one steps)
+        steps = per_epoch * self.trainer.max_epochs
         return min(steps, self.trainer.max_steps) if self.trainer.max_steps > 0 else steps
 
     def configure_optimizers(self):
