@@ -57,3 +57,19 @@ def test_rank_memory_at_its_smallest(tmp_path):
     assert held["token store, copied"] - held["token store, read in place"] > 0.6 * data, held
     assert held["draft vocab, listed"] - held["draft vocab, streamed"] > 1.5 * data, held
     assert "8 ranks in all" in proc.stdout
+
+
+def test_checkpoint_cost_at_its_smallest(tmp_path):
+    out = tmp_path / "ckpt.json"
+    proc = bench("checkpoint_cost.py", "--configs", "peer", "--saves", "1", "--steps-after", "1", "--json", out)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["ckpt_gb"] > 0 and 0 < row["async_blocked_s"] and 0 < row["sync_blocked_s"] <= row["sync_written_s"]
+    assert "keep=best copy before GB" in proc.stdout
+
+
+def test_padding_at_its_smallest(tmp_path):
+    out = tmp_path / "padding.json"
+    bench("padding.py", "--sequences", "300", "--json", out)
+    rows = {(r["mix"], r["batching"]): r for r in json.loads(out.read_text())}
+    tailed = rows["long-tailed", "tokens_per_batch=4096"]["padding_share"]
+    assert tailed < rows["long-tailed", "batch_size=2"]["padding_share"]

@@ -12,9 +12,11 @@ greedy token; KL: the teacher's softmax) and w_r its weight (CE: 0 for a token o
     ∂loss/∂h   = (∂loss/∂z) W,        ∂loss/∂W = (∂loss/∂z)ᵀ h
 
 So the step keeps [N, H] and [V_d, H] (the sizes of its input and of the head) instead of [N, V_d], and no matmul is
-run twice (a checkpointed loss would run the head again in the backward pass). The numbers are those of the plain
-expression: logits in the autocast dtype, softmax in float32, gradients cast back to the logits' dtype before
-their matmuls, as autograd does (tests/test_training.py compares both, forward and backward).
+run twice (a checkpointed loss would run the head again in the backward pass). Where that keeps more, not less
+(fewer rows than about the hidden size: `chunks_cost_more`), the plain expression is used; without gradients, chunks
+always. The numbers are those of the plain expression: logits in the autocast dtype, softmax in float32, gradients
+cast back to the logits' dtype before their matmuls, as autograd does (tests/test_training.py compares both, forward
+and backward).
 """
 
 from __future__ import annotations
@@ -98,6 +100,28 @@ def draft_head_loss(
     if (index is None) == (teacher_states is None):
         raise ValueError("draft_head_loss takes either index (CE) or teacher_states and teacher_head (KL)")
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    N, H, V = hidden.shape[0], hidden.shape[1], weight.shape[0]
+    if with_grad and rows is None and chunks_cost_more(N, V, H, kl=index is None):
+        return _plain(hidden, weight, index, teacher_states, teacher_head)
     return _DraftHeadLoss.apply(
         hidden, weight, index, teacher_states, teacher_head, rows or chunk_rows(weight.shape[0]), with_grad
     )
+
+
+def chunks_cost_more(rows: int, draft_vocab_size: int, hidden_size: int, kl: bool) -> bool:
+    """Whether taking the gradient in the forward pass would keep more than autograd does: it keeps [rows, H] and the
+    head's [V_d, H] gradient per step; autograd keeps [rows, V_d] log-probabilities (and KL's teacher distribution).
+    With few rows (short sequences under a large head: an 8B drafter's 32k × 4,096 head at T = 2,048) the plain
+    expression holds less."""
+    return rows * draft_vocab_size * (2 if kl else 1) <= (rows + draft_vocab_size) * hidden_size
+
+
+def _plain(hidden, weight, index, teacher_states, teacher_head) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss as autograd differentiates it (what the chunks compute, held whole)."""
+    logq = F.log_softmax(F.linear(hidden, weight).float(), dim=-1)  # [N, V_d]
+    if index is not None:
+        total = -(logq.gather(-1, index.clamp(min=0)[:, None])[:, 0] * (index >= 0)).sum()
+    else:
+        y = F.softmax((teacher_states.to(teacher_head.dtype) @ teacher_head.T).float(), dim=-1)
+        total = (y * (torch.log(y.clamp_min(1e-20)) - logq)).sum()
+    return total, logq.argmax(-1).detach()

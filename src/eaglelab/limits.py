@@ -54,7 +54,7 @@ import torch
 
 from eaglelab.config import RunConfig, check_depths_and_lengths, max_k, resolve_capture_backend
 from eaglelab.devices import cpu_bf16_kernels
-from eaglelab.draft_loss import chunk_rows
+from eaglelab.draft_loss import chunk_rows, chunks_cost_more
 from eaglelab.drafter import Attention, Eagle3Config
 from eaglelab.errors import ConfigError, DiskFull, ResourceError
 from eaglelab.targets import Target, free_memory, proc_bytes
@@ -391,6 +391,7 @@ def ttt_kept_bytes(
     lowp: int,
     stream: int,
     checkpointing: bool = False,
+    kl: bool = False,
 ) -> int:
     """What autograd keeps for the backward pass of one training batch (`DrafterModule.ttt` over
     `Eagle3Drafter.unroll`), term by term; counted by shape with torch.autograd.graph.saved_tensors_hooks
@@ -409,9 +410,11 @@ def ttt_kept_bytes(
                     (4·h·(2·(j-1) + 1)) and their weighted values (4·h·d)
 
     No term grows with T per position (`eaglelab.drafter.Attention`), except a sliding window's mask, float32
-    [T + 1, T + 1] per layer and step. Per label and step (at most `response` - j per sequence): the gradient of
-    lm_head's input, taken in the forward pass (`eaglelab.draft_loss`: no [labels, V_d] logits kept), in the
-    stream's dtype (H) and its (row, position) indices; per step, lm_head's float32 gradient (V_d·H). With
+    [T + 1, T + 1] per layer and step. Per label and step (at most `response` - j per sequence), as
+    `draft_loss.draft_head_loss` chooses: the gradient of lm_head's input taken in the forward pass, in the stream's
+    dtype (H), and per step lm_head's float32 gradient (V_d·H); or, with few labels, the log-probabilities over the
+    draft vocabulary in float32 (4·V_d; KL keeps the teacher's distribution too) and lm_head's input; and the labels'
+    (row, position) indices. With
     activation checkpointing, a layer keeps only its inputs (the float32 embeddings and the hidden state) and one
     layer-step's share is rebuilt at a time in the backward pass."""
     B, T, H = batch, length, d.hidden_size
@@ -425,7 +428,14 @@ def ttt_kept_bytes(
     else:
         layers = d.num_layers * sum(per_step)
     labels = sum(B * max(response - j, 0) for j in range(1, steps + 1))
-    return layers + labels * (stream * H + 16) + steps * 4 * d.draft_vocab_size * H  # (+ the labels' two int64 indices)
+    V, head = d.draft_vocab_size, 0
+    for j in range(1, steps + 1):  # per step, what `draft_head_loss` keeps, as it chooses
+        n = batch * max(response - j, 0)
+        if chunks_cost_more(n, V, H, kl):  # autograd's log-probabilities (KL: the teacher's too), lm_head's input
+            head += n * (4 * V * (2 if kl else 1) + lowp * H)
+        else:  # the gradient of lm_head's input and of lm_head (float32)
+            head += n * stream * H + 4 * V * H
+    return layers + head + 16 * labels  # (+ the labels' two int64 indices)
 
 
 def layer_step_bytes(B: int, T: int, steps: int, d: Eagle3Config, lowp: int, stream: int) -> list[int]:
@@ -456,8 +466,8 @@ def unroll_alive_bytes(
     states scattered to the full length (3 × [B, T, H]), the attention caches (k, v per step and layer), and the
     largest transient: the fused kernel's padded inputs and output over T + 1 rows, or the logits over the draft
     vocabulary: the loss's chunk of rows (`draft_loss.chunk_rows`: 16 bits out of lm_head, the float32 log-softmax
-    and the teacher's distribution, the gradient cast back), or validation's drafts at a step's `rows` labelled
-    positions (16 bits each).
+    and the teacher's distribution, the gradient cast back) or, with few labels, all of a step's `rows` at once (the
+    plain expression), or validation's drafts at a step's `rows` labelled positions (16 bits each).
     `probed` (the drift suite): the explicit softmax instead, one query block's score chain at a time (scores,
     masked, concatenated) with the context's keys and values repeated to every head."""
     H, h, B, T = d.hidden_size, d.num_attention_heads, batch, length
@@ -472,6 +482,8 @@ def unroll_alive_bytes(
         attention += 4 * (T + 1) ** 2 if d.attention_window is not None else 0  # the window's mask, float32
     V = d.draft_vocab_size
     logits = max(rows * V * lowp, min(rows, chunk_rows(V)) * V * (lowp + 4 + 4 + lowp))
+    if chunks_cost_more(rows, V, H, kl=False):  # (few labels: the loss's plain expression, all rows at once)
+        logits = max(logits, rows * V * (lowp + 4 + 4))
     return outs + caches + max(attention, logits)
 
 
@@ -493,7 +505,7 @@ def train_bytes(
     kl = train.loss == "kl"
     inputs = B * T * (len(d.aux_layer_ids) + kl) * d.target_hidden_size * 6  # the stored 16 bits, then float32
     rows = B * response  # labelled positions: the responses'
-    kept = ttt_kept_bytes(B, T, S, response, d, lowp, stream, train.activation_checkpointing)
+    kept = ttt_kept_bytes(B, T, S, response, d, lowp, stream, train.activation_checkpointing, kl)
     step = kept + unroll_alive_bytes(B, T, S, rows, d, lowp, stream)
     validation = unroll_alive_bytes(B, T, 2 * S, rows, d, lowp, stream)
     online = capture_bytes(t, len(d.aux_layer_ids), B * T, rows) if cfg.features.kind != "cached" else 0

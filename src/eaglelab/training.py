@@ -386,14 +386,10 @@ class DrafterModule(L.LightningModule):
         if self._epoch_started is not None:
             self.log("time/epoch_s", time.perf_counter() - self._epoch_started, sync_dist=True)
             self.log("time/input_wait_s", self._input_wait, sync_dist=True)
-            if (
-                self._computed and self._batch_ended is not None
-            ):  # what the batching costs: padded positions, and positions trained per second
-                positions = float(self._positions)
+            if self._computed and self._batch_ended is not None:  # what batching costs, and positions per second
+                positions, training_s = float(self._positions), self._batch_ended - self._epoch_started  # (no val.)
                 self.log("train/padding_share", 1.0 - positions / self._computed, sync_dist=True)
-                self.log(
-                    "time/positions_per_s", positions / (self._batch_ended - self._epoch_started), sync_dist=True
-                )  # (validation not counted)
+                self.log("time/positions_per_s", positions / training_s, sync_dist=True)  # per process
             self._epoch_started = None
 
     def teacher_head(self) -> torch.Tensor:
