@@ -20,13 +20,11 @@ computed); now none (the best weights go to a file of their own).
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from train_throughput import CONFIGS  # noqa: E402
+from train_throughput import CONFIGS  # (run as a script, benchmarks/ is on the path)
 
 
 def module_for(name: str):

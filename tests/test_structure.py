@@ -18,6 +18,7 @@ RANK = {
     "eaglelab.variants": 0,
     "eaglelab.acceptance": 0,
     "eaglelab.drafter": 0,
+    "eaglelab.draft_loss": 0,  # the TTT loss over the drafter's head (training computes it, the memory check sizes it)
     "eaglelab.config": 0,
     "eaglelab.vllm_engine": 0,
     "eaglelab.serving": 0,  # decode speed as served, in the engine process (vLLM's server and benchmark)
@@ -70,6 +71,7 @@ NO_LIGHTNING = (
     "eaglelab.suites",
     "eaglelab.config",
     "eaglelab.drafter",
+    "eaglelab.draft_loss",
 )
 
 
