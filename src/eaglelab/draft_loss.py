@@ -47,23 +47,21 @@ class _DraftHeadLoss(torch.autograd.Function):
         for start in range(0, hidden.shape[0], rows):
             part = slice(start, start + rows)
             h = hidden[part]
-            logits = F.linear(h, weight)  # [n, V_d], in the autocast dtype where one is active
-            logq = F.log_softmax(logits.float(), dim=-1)
+            teacher = teacher_states[part] if teacher_states is not None else None
+            summed, logq, y, dtype = _rows_loss(
+                h, weight, index[part] if index is not None else None, teacher, teacher_head
+            )
+            total += summed
             argmax.append(logq.argmax(-1))
-            if index is not None:  # CE: y one-hot on the label; a label outside the draft vocabulary weighs 0
-                label, weight_r = index[part].clamp(min=0)[:, None], (index[part] >= 0).float()  # [n, 1], [n]
-                total -= (logq.gather(-1, label)[:, 0] * weight_r).sum()
-            else:  # KL: y the teacher's distribution over the draft vocabulary
-                y = F.softmax((teacher_states[part].to(teacher_head.dtype) @ teacher_head.T).float(), dim=-1)
-                total += (y * (torch.log(y.clamp_min(1e-20)) - logq)).sum()
             if grad_hidden is None and grad_weight is None:
                 continue
             g = logq.exp_()  # [n, V_d] q, in place over what is no longer read; then q - y
-            if index is not None:
-                g = g.scatter_add_(-1, label, torch.full_like(label, -1, dtype=g.dtype)) * weight_r[:, None]
+            if index is not None:  # y one-hot on the label; a label outside the draft vocabulary weighs 0
+                label = index[part].clamp(min=0)[:, None]
+                g = g.scatter_add_(-1, label, torch.full_like(label, -1, dtype=g.dtype)) * (index[part] >= 0)[:, None]
             else:
                 g -= y
-            g = g.to(logits.dtype)  # as autograd hands lm_head's backward its output's dtype
+            g = g.to(dtype)  # as autograd hands lm_head's backward its output's dtype
             if grad_hidden is not None:
                 grad_hidden[part] = (g @ weight.to(g.dtype)).to(hidden.dtype)
             if grad_weight is not None:
@@ -116,12 +114,19 @@ def chunks_cost_more(rows: int, draft_vocab_size: int, hidden_size: int, kl: boo
     return rows * draft_vocab_size * (2 if kl else 1) <= (rows + draft_vocab_size) * hidden_size
 
 
+def _rows_loss(hidden, weight, index, teacher_states, teacher_head):
+    """The summed loss of some rows -> (loss [], log q [n, V_d] float32, y [n, V_d] (KL; None for CE), the logits'
+    dtype). CE: y one-hot on the label, a label outside the draft vocabulary (-1) weighs 0; KL: y the teacher's
+    distribution over the draft vocabulary."""
+    logits = F.linear(hidden, weight)  # [n, V_d], in the autocast dtype where one is active
+    logq = F.log_softmax(logits.float(), dim=-1)
+    if index is not None:
+        return -(logq.gather(-1, index.clamp(min=0)[:, None])[:, 0] * (index >= 0)).sum(), logq, None, logits.dtype
+    y = F.softmax((teacher_states.to(teacher_head.dtype) @ teacher_head.T).float(), dim=-1)
+    return (y * (torch.log(y.clamp_min(1e-20)) - logq)).sum(), logq, y, logits.dtype
+
+
 def _plain(hidden, weight, index, teacher_states, teacher_head) -> tuple[torch.Tensor, torch.Tensor]:
     """The loss as autograd differentiates it (what the chunks compute, held whole)."""
-    logq = F.log_softmax(F.linear(hidden, weight).float(), dim=-1)  # [N, V_d]
-    if index is not None:
-        total = -(logq.gather(-1, index.clamp(min=0)[:, None])[:, 0] * (index >= 0)).sum()
-    else:
-        y = F.softmax((teacher_states.to(teacher_head.dtype) @ teacher_head.T).float(), dim=-1)
-        total = (y * (torch.log(y.clamp_min(1e-20)) - logq)).sum()
+    total, logq, _, _ = _rows_loss(hidden, weight, index, teacher_states, teacher_head)
     return total, logq.argmax(-1).detach()

@@ -88,7 +88,11 @@ def train_drafter(
             len(train_set),
             cfg.train.batch_size,
             cfg.train.seed,
-            lengths=features.tokens.lengths()[[features.rows[i] for i in train_idx]].tolist(),
+            lengths=(  # (only a token budget reads them)
+                features.tokens.lengths()[[features.rows[i] for i in train_idx]].tolist()
+                if cfg.train.tokens_per_batch
+                else None
+            ),
             tokens_per_batch=cfg.train.tokens_per_batch,
         ),
         **loader_options(cfg.train),
