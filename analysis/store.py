@@ -41,6 +41,7 @@ RESULT_TABLES = [
     "suites/long_context.csv",
     "suites/templates.csv",
     "suites/drift.csv",
+    "suites/drift_per_prompt.csv",
     "suites/fc_balance.csv",
     "suites/long_context_throughput.csv",
     "suites/per_prompt.csv",

@@ -124,7 +124,7 @@ def test_drift_diagnostics_follow_their_definitions(norm_output):
         model = random_drafter(small_config(fc_norm=fc_norm, norm_output=norm_output)).float()
         if norm_output:
             model.norm.weight.data.fill_(1.0)
-        per_depth, balance = drift_diagnostics(model, features_for(model), depth=5, recent_tokens=100)
+        per_depth, balance, _ = drift_diagnostics(model, features_for(model), depth=5, recent_tokens=100)
         for row in per_depth:
             assert row["context_share"] + row["draft_share"] == pytest.approx(1.0, abs=1e-5)
             assert row["recent_share"] == pytest.approx(1.0, abs=1e-5)  # R covers every key
@@ -146,7 +146,7 @@ def test_drift_diagnostics_follow_their_definitions(norm_output):
 def test_recent_share_with_a_window_of_the_same_size():
     """With a sliding window of W keys and no sink tokens, all attention is on the W most recent keys."""
     model = random_drafter(small_config(attention_window=6, attention_sink_tokens=0)).float()
-    per_depth, _ = drift_diagnostics(model, features_for(model), depth=4, recent_tokens=6)
+    per_depth, _, _ = drift_diagnostics(model, features_for(model), depth=4, recent_tokens=6)
     for row in per_depth:
         assert row["recent_share"] == pytest.approx(1.0, abs=1e-5)
 

@@ -25,18 +25,27 @@ from tqdm.auto import tqdm
 
 from eaglelab.batches import Batch, FeatureDataset, collate, move
 from eaglelab.drafter import Eagle3Drafter
+from eaglelab.evaluate import prompt_key
 
 MEASURES = ("hidden_rms", "sink_share", "context_share", "draft_share", "recent_share", "entropy")
 
 
 class _Accumulator:
-    """Sums of per-query measures per depth, restricted to the drafts an engine would make."""
+    """Sums of per-query measures per sequence and depth, restricted to the drafts an engine would make: the means
+    over all sequences and each sequence's own (what paired comparisons resample, prompt by prompt)."""
 
-    def __init__(self, recent: int):
+    def __init__(self, recent: int, rows: list[int], device: torch.device):
         self.recent = recent
-        self.sums: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-        self.counts: dict[tuple[int, str], int] = defaultdict(int)
+        self.slot_of = {r: i for i, r in enumerate(rows)}  # a sequence's store row -> its slot in the sums
+        zeros = lambda dtype: lambda: torch.zeros(len(rows), dtype=dtype, device=device)  # noqa: E731
+        self.sums: dict[tuple[int, str], torch.Tensor] = defaultdict(zeros(torch.float64))  # (j, measure) -> [N]
+        self.counts: dict[tuple[int, str], torch.Tensor] = defaultdict(zeros(torch.long))
         self.batch: Batch | None = None
+        self.slots: torch.Tensor | None = None  # [B] the batch's sequences' slots
+
+    def start(self, batch: Batch) -> None:
+        self.batch = batch
+        self.slots = torch.tensor([self.slot_of[int(r)] for r in batch.index], device=batch.input_ids.device)
 
     def valid(self, query_t: torch.Tensor, j: int) -> torch.Tensor:
         """[B, tq] the queries at positions `query_t` [B, tq] that make a j-th draft an engine would (Batch.drafting:
@@ -45,11 +54,12 @@ class _Accumulator:
         return drafting.gather(1, query_t.clamp(max=drafting.shape[1] - 1))
 
     def add(self, j: int, name: str, values: torch.Tensor, valid: torch.Tensor) -> None:
-        """values: [B, tq] (or [B, heads, tq], averaged over heads)."""
+        """values: [B, tq] (or [B, heads, tq]: heads weigh equally, as layers do, each adding its own values)."""
         if values.dim() == 3:
             values = values.mean(1)
-        self.sums[j][name] += float(values[valid].double().sum())
-        self.counts[(j, name)] += int(valid.sum())
+        kept = torch.where(valid, values.double(), 0.0).sum(1)  # [B] (padding's values may be anything)
+        self.sums[(j, name)].index_add_(0, self.slots, kept)
+        self.counts[(j, name)].index_add_(0, self.slots, valid.sum(1))
 
     def probe(self, probs: torch.Tensor, positions: torch.Tensor, query_t: torch.Tensor) -> None:
         """probs: [B, h, tq, T + j - 1] of one layer at draft step j."""
@@ -66,9 +76,15 @@ class _Accumulator:
         self.add(j, "recent_share", (ctx * recent_ctx[:, None]).sum(-1) + own_recent.sum(-1), valid)
         self.add(j, "entropy", -(p * torch.log(p.clamp_min(1e-30))).sum(-1), valid)
 
-    def mean(self, j: int, name: str) -> float:
-        n = self.counts[(j, name)]
-        return self.sums[j][name] / n if n else float("nan")  # no draft reached depth j: not a measurement
+    def means(self) -> tuple[dict, dict]:
+        """-> ({(j, measure): mean over every draft}, {(j, measure): [N] each sequence's mean}); NaN where no draft
+        reached depth j (not a measurement)."""
+        sums = {key: v.cpu() for key, v in self.sums.items()}
+        counts = {key: v.cpu() for key, v in self.counts.items()}
+        nan = float("nan")
+        overall = {key: float(s.sum() / counts[key].sum()) if counts[key].sum() else nan for key, s in sums.items()}
+        each = {key: torch.where(counts[key] > 0, s / counts[key].clamp_min(1), nan) for key, s in sums.items()}
+        return overall, each
 
 
 @contextlib.contextmanager
@@ -85,11 +101,12 @@ def _probing(drafter: Eagle3Drafter, probe):
 @torch.no_grad()
 def drift_diagnostics(
     drafter: Eagle3Drafter, features, depth: int, recent_tokens: int = 8, batch_size: int = 2
-) -> tuple[list[dict], list[dict]]:
-    """-> (rows per depth j = 1..depth with MEASURES, rows per aux layer with its fc input share)."""
+) -> tuple[list[dict], list[dict], list[dict]]:
+    """-> (rows per depth j = 1..depth with MEASURES, rows per aux layer with its fc input share, rows per
+    (sequence, depth) with the sequence's own means and drafts: `prompt` names it as the per-prompt tables do)."""
     drafter.eval()
     device = drafter.d2t.device  # the drafter's: the batches go there
-    acc = _Accumulator(recent_tokens)
+    acc = _Accumulator(recent_tokens, list(features.rows), device)
     n_aux = len(drafter.cfg.aux_layer_ids)
     energy = torch.zeros(n_aux, dtype=torch.float64, device=device)
     data = FeatureDataset(features, list(range(len(features))), with_final=False)
@@ -97,7 +114,8 @@ def drift_diagnostics(
         for batch in tqdm(
             DataLoader(data, batch_size=batch_size, collate_fn=collate), desc="drift diagnostics", leave=False
         ):
-            acc.batch = batch = move(batch, device)
+            batch = move(batch, device)
+            acc.start(batch)
             B, T = batch.input_ids.shape
             every = torch.arange(T, device=device).expand(B, T)
             fc_in = drafter.fc_input(batch.aux)  # [B, T, n_aux·H_t]
@@ -108,10 +126,30 @@ def drift_diagnostics(
             for j, x in enumerate(fed, start=1):
                 rms = x.float().pow(2).mean(-1).sqrt()  # [B, T]
                 acc.add(j, "hidden_rms", rms, acc.valid(every, j))
+    overall, each = acc.means()
+    drafts = {j: acc.counts[(j, "hidden_rms")].cpu() for j in range(1, depth + 1)}
     per_depth = [
-        {"depth": j, **{m: acc.mean(j, m) for m in MEASURES}, "drafts": acc.counts[(j, "hidden_rms")]}
+        {"depth": j, **{m: overall[(j, m)] for m in MEASURES}, "drafts": int(drafts[j].sum())}
+        for j in range(1, depth + 1)
+    ]
+    keys = {r: prompt_key(ids[:p]) for r, ids, p in zip(features.rows, features["input_ids"], features["prompt_len"])}
+    per_prompt = [
+        {"prompt": keys[row], "depth": j, "drafts": int(drafts[j][i]), **{m: float(each[(j, m)][i]) for m in MEASURES}}
+        for i, row in enumerate(features.rows)
         for j in range(1, depth + 1)
     ]
     share = (energy / energy.sum()).tolist() if energy.sum() > 0 else [float("nan")] * n_aux
     fc_balance = [{"aux_layer": layer, "input_share": s} for layer, s in zip(drafter.cfg.aux_layer_ids, share)]
-    return per_depth, fc_balance
+    return per_depth, fc_balance, per_prompt
+
+
+def drift_inputs(features, depth: int, recent_tokens: int) -> dict:
+    """The sequences `drift_diagnostics` measured (their stores and rows) and how: enough for a reader to recompute
+    every measure from the exported drafter alone (analysis/drift_check.py)."""
+    return {
+        "tokens": str(features.tokens.folder),
+        "states": str(features.states.folder),
+        "rows": [int(r) for r in features.rows],
+        "depth": depth,
+        "recent_tokens": recent_tokens,
+    }

@@ -26,7 +26,7 @@ from eaglelab.config import RunConfig, max_k, suite_ks
 from eaglelab.data.long_context import MODULES, long_context_prompts
 from eaglelab.data.prepare import CaptureSettings, prepare_features
 from eaglelab.data.templates import CONDITIONS, renderer
-from eaglelab.drift import drift_diagnostics
+from eaglelab.drift import drift_diagnostics, drift_inputs
 from eaglelab.errors import ConfigError
 from eaglelab.evaluate import (
     ALONG,
@@ -44,7 +44,7 @@ from eaglelab.evaluate import (
     same_output_share,
     throughput_rows,
 )
-from eaglelab.io import write_csv
+from eaglelab.io import atomic_write_json, write_csv
 
 log = logging.getLogger("eaglelab")
 
@@ -247,10 +247,13 @@ def evaluate_suites(
     s, out_dir, metrics = cfg.eval.suites, run_dir / "suites", {}
     if s.drift.enabled:
         subset = eval_feats.select(evenly_spaced(len(eval_feats), s.drift.num_prompts))
-        per_depth, balance = drift_diagnostics(
+        per_depth, balance, per_prompt = drift_diagnostics(
             drafter, subset, max_k(cfg), s.drift.recent_tokens, batch_size=cfg.train.batch_size
         )
         write_csv(out_dir / "drift.csv", per_depth)
+        write_csv(out_dir / "drift_per_prompt.csv", per_prompt)  # what analysis/paired.py pairs, prompt by prompt
+        # What was measured, by name: analysis/drift_check.py recomputes every measure from these and the export.
+        atomic_write_json(out_dir / "drift_inputs.json", drift_inputs(subset, max_k(cfg), s.drift.recent_tokens))
         write_csv(out_dir / "fc_balance.csv", balance)
         for row in per_depth:
             metrics.update({f"drift/{m}@d{row['depth']}": v for m, v in row.items() if m not in ("depth", "drafts")})
