@@ -56,6 +56,8 @@ class Sums:
 
 
 HELD_OUT = "held_out"  # the scope of the held-out prompts (per_prompt.csv); a suite's are "long_context/512", ...
+DRIFT_SCOPE = "drift"  # the drift suite's held-out sequences (suites/drift_per_prompt.csv)
+DRIFT = ("hidden_rms", "sink_share", "context_share", "draft_share", "recent_share", "entropy")  # eaglelab.drift
 
 
 def scoped(run: Run, scope: str) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -93,9 +95,22 @@ def measure_sums(run: Run, prompts: list[str], scope: str = HELD_OUT) -> dict[st
     return out
 
 
+def drift_sums(run: Run, prompts: list[str], scope: str = DRIFT_SCOPE) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Each drift measure at each depth as (Σ over the prompt's drafts, drafts) per prompt of `prompts`
+    (suites/drift_per_prompt.csv holds each prompt's mean: a depth none of its drafts reached adds nothing)."""
+    table = run.tables["suites/drift_per_prompt"]
+    out = {}
+    for d, rows in table.groupby("depth"):
+        rows = rows.set_index("prompt").loc[prompts]
+        drafts = rows["drafts"].to_numpy(float)
+        for m in DRIFT:
+            out[f"{m}@{d}"] = (np.nan_to_num(rows[m].to_numpy(float)) * drafts, drafts)
+    return out
+
+
 def stack(runs: list[Run], prompts: list[str], scope: str = HELD_OUT) -> dict[str, Sums]:
     """measure -> Sums over the runs (one row per seed, in the runs' order)."""
-    per_run = [measure_sums(r, prompts, scope) for r in runs]
+    per_run = [(drift_sums if scope == DRIFT_SCOPE else measure_sums)(r, prompts, scope) for r in runs]
     shared = set.intersection(*(set(m) for m in per_run))
     return {
         name: Sums(np.stack([m[name][0] for m in per_run]), np.stack([m[name][1] for m in per_run]))
@@ -105,7 +120,8 @@ def stack(runs: list[Run], prompts: list[str], scope: str = HELD_OUT) -> dict[st
 
 def order(name: str) -> tuple:
     family, at = name.split("@")
-    return ({"tau": 0, "n_alpha": 1, "tf_acc": 2}[family], int(at))
+    families = ["tau", "n_alpha", "tf_acc", *DRIFT]
+    return (families.index(family), int(at))
 
 
 def resamples(n_seeds: int, n_prompts: int, count: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -216,20 +232,22 @@ def paired_rows(runs: list[Run], reference: str = "eagle3", count: int = 2000) -
     return [dict(row) for row in _LAST[1]]
 
 
-def _paired_rows(runs: list[Run], reference: str, count: int, suites: bool = False) -> list[dict]:
-    """The held-out scope's rows, or (`suites`) one scope per suite condition both sides measured per prompt."""
+def _paired_rows(runs: list[Run], reference: str, count: int, suites: bool = False, drift: bool = False) -> list[dict]:
+    """The held-out scope's rows, or (`suites`) one scope per suite condition both sides measured per prompt, or
+    (`drift`) the drift suite's measures by depth."""
     rows = []
     for label, members, ref_label, ref_members in twins(runs, reference):
         seeds = sorted({r.seed for r in members} & {r.seed for r in ref_members})
         mine = [next(r for r in members if r.seed == s) for s in seeds]
         theirs = [next(r for r in ref_members if r.seed == s) for s in seeds]
         both = mine + theirs
-        if not seeds or not all(all(t in r.tables for t in PER_PROMPT) for r in both):
-            if not suites:  # (said once: the held-out pass is made first)
+        needed = ["suites/drift_per_prompt"] if drift else PER_PROMPT
+        if not seeds or not all(all(t in r.tables for t in needed) for r in both):
+            if not (suites or drift):  # (said once: the held-out pass is made first)
                 print(f"skipped {label} vs {ref_label}: no seed with per-prompt tables on both sides", file=sys.stderr)
             continue
-        for scope in suite_scopes(both) if suites else [HELD_OUT]:
-            prompts = sorted(set.intersection(*(set(scoped(r, scope)[0]["prompt"]) for r in both)))
+        for scope in [DRIFT_SCOPE] if drift else suite_scopes(both) if suites else [HELD_OUT]:
+            prompts = sorted(set.intersection(*(set(prompts_of(r, scope)) for r in both)))
             ours, ref = stack(mine, prompts, scope), stack(theirs, prompts, scope)
             picks, weights = resamples(len(seeds), len(prompts), count)
             for name in (n for n in ours if n in ref):
@@ -249,6 +267,41 @@ def _paired_rows(runs: list[Run], reference: str, count: int, suites: bool = Fal
                         **compare(ours[name], ref[name], picks, weights),
                     }
                 )
+    return rows
+
+
+def prompts_of(run: Run, scope: str) -> pd.Series:
+    """The prompts a run measured in one scope."""
+    return run.tables["suites/drift_per_prompt"]["prompt"] if scope == DRIFT_SCOPE else scoped(run, scope)[0]["prompt"]
+
+
+def drift_paired_rows(runs: list[Run], reference: str = "eagle3", count: int = 2000) -> list[dict]:
+    """Each drift measure at each depth (suites/drift_per_prompt.csv), paired with the reference twin by seed and
+    prompt as the acceptance measures are: one row per (setup, measure, depth); `counted` is drafts."""
+    return _paired_rows(runs, reference, count, drift=True)
+
+
+def depth_change_rows(runs: list[Run], count: int = 2000) -> list[dict]:
+    """Per setup and drift measure: the deepest depth's value minus the first's, on the same seeds and prompts
+    (the change with depth the paper reports, with its 95% interval)."""
+    rows = []
+    for label, members in setups(runs).items():
+        members = [r for r in members if "suites/drift_per_prompt" in r.tables]
+        if not members:
+            continue
+        prompts = sorted(set.intersection(*(set(prompts_of(r, DRIFT_SCOPE)) for r in members)))
+        sums = stack(members, prompts, DRIFT_SCOPE)
+        deepest = max(int(n.split("@")[1]) for n in sums)
+        picks, weights = resamples(len(members), len(prompts), count)
+        for m in DRIFT:
+            first, last = sums[f"{m}@1"], sums[f"{m}@{deepest}"]
+            rows.append(
+                {"setup": label, "variant": members[0].variant, "measure": m, "from": 1, "to": deepest,
+                 "seeds": len(members), "prompts": len(prompts),
+                 **{f"first_{k}": v for k, v in level(first, picks, weights).items()},
+                 **{f"deepest_{k}": v for k, v in level(last, picks, weights).items()},
+                 **compare(last, first, picks, weights)}
+            )  # fmt: skip
     return rows
 
 

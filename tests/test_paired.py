@@ -117,3 +117,57 @@ def test_each_suite_condition_is_paired_on_its_own_prompts():
     assert not any(r["resolved"] for (scope, _, _), r in rows.items() if scope == "templates/native")
     row = rows[("long_context/512", "n_alpha", 2)]
     assert row["prompts_for_10pct"] == prompts_for(row["mde80"], 0.1 * row["reference_mean"], 40)
+
+
+def drift_run(variant: str, seed: int, rms: np.ndarray, sink: np.ndarray, prompts: list[str]) -> Run:
+    """A run whose drift suite measured `rms[p, d]` and `sink[p, d]` (depths 1..D) on each prompt, 10 drafts each,
+    every other measure 0.5; the last prompt reached no draft at the deepest depth (an empty mean)."""
+    rows = []
+    for i, p in enumerate(prompts):
+        for d in range(rms.shape[1]):
+            none = i == len(prompts) - 1 and d == rms.shape[1] - 1
+            values = {m: 0.5 for m in ("context_share", "draft_share", "recent_share", "entropy")}
+            values["hidden_rms"], values["sink_share"] = (np.nan, np.nan) if none else (rms[i, d], sink[i, d])
+            rows.append({"prompt": p, "depth": d + 1, "drafts": 0 if none else 10, **values})
+    tables = {"suites/drift_per_prompt": pd.DataFrame(rows)}
+    return Run(dir=None, variant=variant, seed=seed, ttt=3, config={}, metrics={}, tables=tables, setup=variant)
+
+
+def test_drift_measures_are_paired_per_flag_and_held_to_the_papers_directions():
+    """EAGLE-3's fed state grows with depth (the paper's claim: reproduced) while EAGLE-3.1's stays; EAGLE-3.1 puts
+    more on the sink at depth 4 than EAGLE-3, whose sink share stays (the paper: EAGLE-3's falls: unresolved);
+    no_norm_output (fc_norm alone) measures what EAGLE-3 does: nothing resolved."""
+    from analysis.drift_table import paired_markdown, paper_rows
+    from analysis.paired import depth_change_rows, drift_paired_rows
+
+    rng = np.random.default_rng(3)
+    prompts = [f"p{i}" for i in range(30)]
+    depths = np.arange(1, 5)
+    runs = []
+    for seed in range(3):
+        base = rng.uniform(1, 2, size=(30, 1))
+        grow = base * (1 + 0.5 * (depths - 1))  # [P, D]: grows with depth from the same first state
+        sink = rng.uniform(0.1, 0.2, size=(30, 1)) * np.ones(4)
+        runs += [
+            drift_run("eagle3", seed, grow, sink, prompts),
+            drift_run("eagle3.1", seed, base * np.ones(4), sink + 0.05 * (depths == 4), prompts),
+            drift_run("no_norm_output", seed, grow, sink, prompts),
+        ]
+    paired = drift_paired_rows(runs, "eagle3", count=500)
+    at = {(r["setup"], r["measure"], r["at"]): r for r in paired}
+    assert at[("eagle3.1", "hidden_rms", 4)]["resolved"] and at[("eagle3.1", "hidden_rms", 4)]["difference"] < 0
+    assert not at[("eagle3.1", "hidden_rms", 1)]["resolved"]  # the same first state
+    assert at[("eagle3.1", "sink_share", 4)]["difference"] == pytest.approx(0.05)
+    assert not any(r["resolved"] for r in paired if r["setup"] == "no_norm_output")
+    assert at[("eagle3.1", "hidden_rms", 4)]["counted"] == 29 * 10  # per seed; the empty prompt adds no drafts
+    changes = depth_change_rows(runs, count=500)
+    grew = next(r for r in changes if r["variant"] == "eagle3" and r["measure"] == "hidden_rms")
+    assert grew["resolved"] and grew["difference"] > 0 and (grew["from"], grew["to"]) == (1, 4)
+    verdicts = {r["measure"]: r for r in paper_rows(changes, paired, "eagle3", "eagle3.1")}
+    assert verdicts["hidden_rms"]["verdict_change"] == "reproduced"  # the paper: 3.92 -> 14.02
+    assert verdicts["hidden_rms"]["verdict_pair"] == "reproduced"  # the paper: 1.20 < 14.02 at depth 8
+    assert verdicts["sink_share"]["verdict_change"] == "unresolved"  # flat here; the paper: 0.46 -> 0.08
+    assert verdicts["sink_share"]["verdict_pair"] == "reproduced"  # the paper: 0.10 > 0.08
+    assert verdicts["context_share"]["verdict_pair"] == "unresolved"  # 0.5 both sides
+    text = paired_markdown(paired, changes)
+    assert "fc_norm (no_norm_output): not resolved" in text and "fc_norm + norm_output (eagle3.1): − at d" in text

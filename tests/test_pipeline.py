@@ -54,6 +54,8 @@ def test_smoke_run_writes_the_documented_layout(smoke_runs):
         "lightning/last.ckpt",
         "logs/metrics.csv",
         "suites/drift.csv",
+        "suites/drift_per_prompt.csv",
+        "suites/drift_inputs.json",
         "suites/fc_balance.csv",
         "suites/drift.png",
         "suites/extrapolation.csv",
@@ -71,6 +73,25 @@ def test_smoke_run_writes_the_documented_layout(smoke_runs):
     assert resolved["resolved"]["aux_layer_ids"] == [2, 4, 5]  # (2, L//2, L-3) for the tiny L=8
     exported = json.loads((run_dir / "drafter/config.json").read_text())
     assert exported["fc_norm"] is True and exported["norm_output"] is True
+
+
+def test_the_drift_suite_agrees_with_its_independent_check_on_a_trained_run(smoke_runs, capsys):
+    """analysis/drift_check.py recomputes every drift measure of a trained run from its exported drafter, the
+    target's embedding and the suite's own sequences (drift_inputs.json); and refuses a table that was altered."""
+    from analysis import drift_check
+
+    run_dir = smoke_runs.a
+    assert drift_check.main([str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "agree" in out and "drafts per depth equal" in out
+    altered = run_dir.parent / "altered"
+    shutil.copytree(run_dir, altered)
+    table = (altered / "suites/drift.csv").read_text().splitlines()
+    head, row = table[0].split(","), table[3].split(",")
+    row[head.index("sink_share")] = str(float(row[head.index("sink_share")]) + 1e-3)
+    (altered / "suites/drift.csv").write_text("\n".join([*table[:3], ",".join(row), *table[4:]]) + "\n")
+    assert drift_check.main([str(altered)]) == 1
+    assert "sink_share     largest gap 1.00e-03 (depth 3)" in capsys.readouterr().out
 
 
 def test_same_seed_gives_identical_metrics(smoke_runs):

@@ -201,6 +201,31 @@ def test_paired_comparison_pairs_the_same_prompts_and_seeds_and_agrees_with_each
     assert "prompts for 10%" in (out / "paired_suites.md").read_text()
 
 
+def test_drift_measures_paired_on_the_store_agree_with_each_runs_drift_table(store, tmp_path):
+    """analysis/drift_table.py on the store: each side's level at each depth is the seed mean of its runs'
+    suites/drift.csv (rebuilt from the per-prompt table), the difference their difference; the paper table names a
+    verdict for each claim."""
+    out = tmp_path / "drift"
+    proc = script("analysis/drift_table.py", store / "grid_sweep", "--out", out, "--resamples", "400")
+    assert proc.returncode == 0, proc.stderr
+    rows = list(csv.DictReader(open(out / "paired_drift.csv")))
+    tables = {}
+    for d in run_dirs(store):
+        tables.setdefault(d.name.split("_")[1], []).append(list(csv.DictReader(open(d / "suites/drift.csv"))))
+    measures = ("hidden_rms", "sink_share", "context_share", "recent_share", "entropy")
+    assert {r["measure"] for r in rows} >= set(measures) and {int(r["at"]) for r in rows} == set(range(1, 9))
+    for r in (r for r in rows if r["measure"] in measures):
+        mean = {v: sum(float(t[int(r["at"]) - 1][r["measure"]]) for t in ts) / len(ts) for v, ts in tables.items()}
+        assert float(r["variant_mean"]) == pytest.approx(mean["eagle3.1"], rel=1e-6), (r["measure"], r["at"])
+        assert float(r["reference_mean"]) == pytest.approx(mean["eagle3"], rel=1e-6), (r["measure"], r["at"])
+        assert float(r["ci_low"]) <= float(r["difference"]) <= float(r["ci_high"])
+    paper = list(csv.DictReader(open(out / "drift_vs_paper.csv")))
+    assert [r["measure"] for r in paper] == ["hidden_rms", "sink_share", "recent_share", "context_share"]
+    verdicts = {"reproduced", "reversed", "unresolved"}
+    assert all(r["verdict_change"] in verdicts and r["verdict_pair"] in verdicts for r in paper)
+    assert "Which flag moves which measure" in (out / "paired_drift.md").read_text()
+
+
 def test_dashboard_dry_run_writes_a_report_of_the_metrics_the_runs_logged(store, tmp_path):
     spec_path = tmp_path / "report.json"
     proc = script("analysis/dashboard.py", store, "--group", "grid_sweep", "--dry-run", spec_path)
@@ -293,7 +318,11 @@ def test_paper_is_regenerated_by_one_command_and_broken_runs_are_named_and_skipp
         "paired.csv",
         "paired_suites.tex",  # each suite condition paired on its own prompts
         "paired_suites.csv",
+        "drift_paired.tex",  # the drift measures paired per flag, and beside the paper's values
+        "drift_vs_paper.tex",
+        "paired_drift.csv",
     }
+    assert "the paper's direction" in (out / "generated" / "drift_verdicts.tex").read_text()
     # the numbers the text quotes are the store's (4 good runs; 4 skipped), not typed ones
     numbers = (out / "generated" / "numbers.tex").read_text()
     taus = [

@@ -151,6 +151,43 @@ def test_recent_share_with_a_window_of_the_same_size():
         assert row["recent_share"] == pytest.approx(1.0, abs=1e-5)
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [
+        dict(fc_norm=False, norm_output=False),  # EAGLE-3
+        dict(fc_norm=True, norm_output=False),
+        dict(fc_norm=False, norm_output=True),
+        dict(fc_norm=True, norm_output=True),  # EAGLE-3.1
+        dict(fc_norm=True, norm_output=True, num_layers=2, attention_window=7, attention_sink_tokens=2),
+    ],
+    ids=["eagle3", "no_norm_output", "no_fc_norm", "eagle3.1", "two_layers_window"],
+)
+def test_an_independent_engine_style_drafter_gives_every_drift_measure(flags, tmp_path):
+    """analysis/drift_check.py drafts as an engine does (one position at a time into a KV cache, each chain's keys
+    in a copy, explicit float64 softmax, measures by the keys' position ids) from the exported folder only; the
+    suite's measures, read from the training-time-test unroll, must be the same numbers."""
+    from analysis.drift_check import PlainDrafter, measures
+    from eaglelab.export import save_drafter
+
+    model = random_drafter(small_config(**flags))
+    feats = features_for(model, n=3, T=24)
+    suite, _, per_prompt = drift_diagnostics(model, feats, depth=5, recent_tokens=3)
+    save_drafter(model, tmp_path / "drafter")
+    check = measures(PlainDrafter(tmp_path / "drafter", model.embed_tokens.weight.double()), feats, 5, 3)
+    for a, b in zip(suite, check):
+        assert a["drafts"] == b["drafts"] > 0
+        for m in ("sink_share", "context_share", "draft_share", "recent_share", "entropy"):
+            assert a[m] == pytest.approx(b[m], abs=1e-5), (m, a["depth"])
+        assert a["hidden_rms"] == pytest.approx(b["hidden_rms"], rel=1e-6), a["depth"]
+    # The per-prompt table is the same sums, split by sequence: its drafts-weighted means are the suite's.
+    for a in suite:
+        rows = [r for r in per_prompt if r["depth"] == a["depth"] and r["drafts"] > 0]
+        assert len(rows) == 3 and sum(r["drafts"] for r in rows) == a["drafts"]
+        for m in ("hidden_rms", "sink_share", "recent_share"):
+            weighted = sum(r[m] * r["drafts"] for r in rows) / a["drafts"]
+            assert weighted == pytest.approx(a[m], rel=1e-9), m
+
+
 def read_csv(path):
     with open(path) as f:
         return list(csv.DictReader(f))
