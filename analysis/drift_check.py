@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file
+from tqdm.auto import tqdm
 
 MEASURES = ("hidden_rms", "sink_share", "context_share", "draft_share", "recent_share", "entropy")
 
@@ -210,7 +211,7 @@ def recompute(run_dir: Path) -> list[dict]:
 def measures(drafter: PlainDrafter, seqs, depth: int, recent: int) -> list[dict]:
     """Rows per depth j = 1..depth: each measure's mean over every draft of `seqs` (a Sequences view) and the drafts."""
     values = defaultdict(list)
-    for i in range(len(seqs)):
+    for i in tqdm(range(len(seqs)), desc="drift check", unit="sequence", leave=False):
         item = seqs.item(i)
         if "spans" in item:
             raise SystemExit("error: multi-turn sequences (spans) are not covered by this check; use single-turn ones")
@@ -246,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--tolerance", type=float, default=1e-4, help="largest gap allowed (hidden_rms: relative)")
     args = ap.parse_args(argv)
+    torch.set_num_threads(1)  # one small matrix-vector product after another: more threads only wait on each other
     check = recompute(args.run_dir)
     with open(args.run_dir / "suites" / "drift.csv") as f:
         suite = list(csv.DictReader(f))

@@ -94,6 +94,26 @@ def test_the_drift_suite_agrees_with_its_independent_check_on_a_trained_run(smok
     assert "sink_share     largest gap 1.00e-03 (depth 3)" in capsys.readouterr().out
 
 
+def test_attention_regions_partition_every_drafts_attention(smoke_runs, tmp_path):
+    """analysis/attention_regions.py: each key in exactly one region, so each depth's shares sum to 1; own drafts
+    get nothing at depth 1 and the local context holds the query's own key."""
+    import pandas as pd
+    import torch
+
+    from analysis import attention_regions
+
+    regions = attention_regions.region_of(torch.arange(20), t=12, prompt_len=6, recent=4)
+    names = [attention_regions.REGIONS[int(r)] for r in regions]
+    assert names[0] == "first token" and set(names[1:6]) == {"prompt"} and set(names[6:9]) == {"earlier answer"}
+    assert set(names[9:13]) == {"local context"} and set(names[13:]) == {"own drafts"}
+    assert attention_regions.main([str(smoke_runs.a), "--sequences", "2", "--out", str(tmp_path)]) == 0
+    table = pd.read_csv(tmp_path / "attention_regions.csv")
+    assert table.groupby("depth")["mean"].sum().to_numpy() == pytest.approx(1.0, abs=1e-9)
+    first = table[table["depth"] == 1].set_index("region")["mean"]
+    assert first["own drafts"] == 0 and first["local context"] > 0
+    assert (tmp_path / "attention_regions.png").stat().st_size > 1000
+
+
 def test_same_seed_gives_identical_metrics(smoke_runs):
     a, b = (json.loads((d / "metrics.json").read_text()) for d in (smoke_runs.a, smoke_runs.b))
     # (data/shards_prepared: a prepared the entries b reads)
