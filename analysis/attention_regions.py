@@ -61,6 +61,8 @@ def run_regions(run_dir: Path, sequences: int) -> pd.DataFrame:
     sums, counts = defaultdict(float), defaultdict(int)
     for i in tqdm(range(min(sequences, len(seqs))), desc=run_dir.name, unit="sequence", leave=False):
         item = seqs.item(i)
+        if "spans" in item:
+            raise SystemExit(f"error: {run_dir}: multi-turn sequences (spans) are not split here; use single-turn ones")
         ids, aux, P = item["input_ids"].tolist(), item["aux"].double(), item["prompt_len"]
         T = len(ids)
         caches = [KVCache(T + depth, drafter.kv, drafter.d) for _ in range(drafter.layers)]
@@ -138,11 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     table.to_csv(args.out / "attention_regions.csv", index=False)
-    deepest = int(table["depth"].max())
     lines = ["| setup | depth | " + " | ".join(REGIONS) + " |", "|---" * (2 + len(REGIONS)) + "|"]
     for label in dict.fromkeys(table["setup"]):
-        for d in (1, deepest):
-            at = table[(table["setup"] == label) & (table["depth"] == d)].set_index("region")
+        mine = table[table["setup"] == label]
+        for d in (1, int(mine["depth"].max())):
+            at = mine[mine["depth"] == d].set_index("region")
             cells = [f"{at.loc[n, 'mean']:.3f} ± {at.loc[n, 'se']:.3f}" for n in REGIONS]
             lines.append(f"| {label} | {d} | " + " | ".join(cells) + " |")
     text = (

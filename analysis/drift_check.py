@@ -234,8 +234,12 @@ def gaps(suite: list[dict], check: list[dict]) -> dict[str, tuple[float, int]]:
     for m in MEASURES:
         diffs = []
         for a, b in zip(suite, check):
-            d = abs(float(a[m]) - b[m])
-            diffs.append((d / max(abs(b[m]), 1e-12) if m == "hidden_rms" else d, b["depth"]))
+            x, y = float(a[m]), b[m]
+            if math.isnan(x) or math.isnan(y):  # no draft at that depth: both sides must say so
+                diffs.append((0.0 if math.isnan(x) and math.isnan(y) else math.inf, b["depth"]))
+                continue
+            d = abs(x - y)
+            diffs.append((d / max(abs(y), 1e-12) if m == "hidden_rms" else d, b["depth"]))
         out[m] = max(diffs)
     return out
 

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis.paired import DRIFT, depth_change_rows, drift_paired_rows
+from analysis.paired import DRIFT, MIN_COUNT, depth_change_rows, drift_paired_rows
 from analysis.store import load_or_exit
-from eaglelab.variants import VARIANTS
+from eaglelab.variants import VARIANT_FLAGS, VARIANTS
 
 # The paper's values (depth 1 -> depth 8), EAGLE-3 and EAGLE-3.1: RMS of the fed state, attention on the first
 # token, attention on the most recent tokens. context_share it states in words only: EAGLE-3 moves its attention
@@ -37,6 +37,8 @@ PAPER = {
     "context_share": {"eagle3": None, "eagle3.1": None},
 }
 STATED = {"context_share": (-1, +1)}  # (EAGLE-3's change with depth, EAGLE-3.1 − EAGLE-3 at depth 8), in words
+PAPER_DEPTH = 8  # the paper reports depths 1 -> 8
+SAME = 0.25  # two values of the paper within this share of the larger one: no direction claimed
 NAMES = {
     "hidden_rms": "RMS of the state fed to step d",
     "sink_share": "attention on the first (sink) token",
@@ -48,27 +50,26 @@ NAMES = {
 
 
 def flags_of(variant: str) -> str:
-    """The EAGLE-3.1 flags a variant turns on (what its difference from EAGLE-3 isolates)."""
+    """The design flags a variant turns on (what its difference from EAGLE-3 isolates)."""
     v = VARIANTS.get(variant)
-    on = [f for f in ("fc_norm", "norm_output") if v and v.get(f)]
+    on = [f for f in VARIANT_FLAGS if v and v.get(f)]
     return " + ".join(on) or "neither"
 
 
 def num(x: float) -> str:
-    """A signed value to three decimals, or three significant digits where that would show 0 (sink shares)."""
+    """A signed value to three decimals, or in scientific notation where that would show 0 (sink shares)."""
     return f"{x:+.3f}" if abs(x) >= 0.01 or x == 0 or math.isnan(x) else f"{x:+.1e}"
 
 
 def level(x: float) -> str:
-    """A value to three decimals, or three significant digits below 0.01."""
+    """A value to three decimals, or in scientific notation below 0.01."""
     return f"{x:.3f}" if abs(x) >= 0.01 or x == 0 or math.isnan(x) else f"{x:.2e}"
 
 
 def interval(r: dict, key: str = "") -> str:
     """`value [low, high]` of a row's difference (key "") or of its `key`, `key_low`, `key_high` fields."""
-    value, low, high = (
-        (r["difference"], r["ci_low"], r["ci_high"]) if not key else (r[key], r[f"{key}_low"], r[f"{key}_high"])
-    )
+    names = ("difference", "ci_low", "ci_high") if not key else (key, f"{key}_low", f"{key}_high")
+    value, low, high = (r[n] for n in names)
     return f"{num(value)} [{num(low)}, {num(high)}]"
 
 
@@ -76,48 +77,69 @@ def sign(x: float) -> int:
     return (x > 0) - (x < 0)
 
 
-def verdict(expected: int, low: float, high: float) -> str:
-    """reproduced / reversed / unresolved: where the 95% interval lies against the paper's direction."""
-    if math.isnan(low) or expected == 0:
+def direction(a: float, b: float) -> int:
+    """How the paper's value moves from a to b: +1, -1, or 0 where the two are within SAME of the larger (the
+    paper then claims no direction: EAGLE-3.1's sink share 0.10 against EAGLE-3's 0.08 is "about the same")."""
+    return 0 if abs(b - a) <= SAME * max(abs(a), abs(b)) else sign(b - a)
+
+
+def verdict(expected: int, row: dict) -> str:
+    """Where a paired row's 95% interval lies against the paper's direction: reproduced / reversed where it excludes
+    0 on that side or the other (and each side counted MIN_COUNT drafts in every seed), unresolved otherwise; not
+    claimed where the paper states no direction."""
+    if expected == 0:
+        return "not claimed"
+    low, high = row["ci_low"], row["ci_high"]
+    if math.isnan(low) or row["counted"] < MIN_COUNT or not (low > 0 or high < 0):
         return "unresolved"
-    if low > 0 or high < 0:
-        return "reproduced" if sign(low if low > 0 else high) == expected else "reversed"
-    return "unresolved"
+    return "reproduced" if sign(low if low > 0 else high) == expected else "reversed"
 
 
 def paper_rows(changes: list[dict], paired: list[dict], reference: str, variant: str) -> list[dict]:
-    """Per paper measure, two claims: the reference's change from depth 1 to the deepest, and variant − reference at
-    the deepest depth; the paper's values beside ours and the verdict."""
+    """Per paper measure, two claims on one setup pair (the first `variant` setup and its `reference` twin): the
+    reference's change from depth 1 to depth D, and variant − reference at D, D = min(the pair's deepest, the
+    paper's 8); the paper's values beside ours and the verdicts. Nothing unless the reference is EAGLE-3 (the
+    paper's values are EAGLE-3's and EAGLE-3.1's)."""
+    if reference != "eagle3":
+        return []
     out = []
     for m, paper in PAPER.items():
-        change = next((r for r in changes if r["variant"] == reference and r["measure"] == m), None)
-        deepest = max((r["at"] for r in paired if r["measure"] == m), default=None)
-        mine = [r for r in paired if r["measure"] == m and r["setup"].split(" ")[0] == variant]
-        pair = next((r for r in mine if r["at"] == deepest), None)
-        if change is None or pair is None:
+        pairs = [r for r in paired if r["measure"] == m and r["setup"].split(" ")[0] == variant]
+        if not pairs:
             continue
-        p3, p31 = paper[reference] if reference in paper else None, paper.get(variant)
-        stated = STATED.get(m)
-        expect_change = sign(p3[1] - p3[0]) if p3 else stated[0]
-        expect_pair = sign(p31[1] - p3[1]) if p3 and p31 else stated[1]
-        ours31 = next((r for r in changes if r["variant"] == variant and r["measure"] == m), None)
+        setup, twin = pairs[0]["setup"], pairs[0]["reference"]
+        depth = min(max(r["at"] for r in pairs if r["setup"] == setup), PAPER_DEPTH)
+        pair = next((r for r in pairs if r["setup"] == setup and r["at"] == depth), None)
+        at = lambda label: next(  # noqa: E731
+            (r for r in changes if r["setup"] == label and r["measure"] == m and r["to"] == depth), None
+        )
+        change, ours31 = at(twin), at(setup)
+        if pair is None or change is None or ours31 is None:
+            continue
+        p3, p31 = paper[reference], paper.get(variant)
+        expect_change = direction(*p3) if p3 else STATED[m][0]
+        expect_pair = direction(p3[1], p31[1]) if p3 and p31 else STATED[m][1]
+        moves = {1: "rises", -1: "falls", 0: "stays"}
         out.append(
             {
                 "measure": m,
+                "setup": setup,
+                "reference_setup": twin,
                 "paper_reference": f"{p3[0]:.2f} → {p3[1]:.2f}" if p3 else "falls (stated, no values)",
                 "paper_variant": f"{p31[0]:.2f} → {p31[1]:.2f}" if p31 else "stays (stated, no values)",
                 "ours_reference": f"{level(change['first_mean'])} → {level(change['deepest_mean'])}",
-                "ours_variant": f"{level(ours31['first_mean'])} → {level(ours31['deepest_mean'])}" if ours31 else "–",
-                "claim_change": f"{reference} {'rises' if expect_change > 0 else 'falls'} from d=1 to d={change['to']}",
+                "ours_variant": f"{level(ours31['first_mean'])} → {level(ours31['deepest_mean'])}",
+                "claim_change": f"{reference} {moves[expect_change]} from d=1 to d={depth}",
                 "change": change["difference"],
                 "change_low": change["ci_low"],
                 "change_high": change["ci_high"],
-                "verdict_change": verdict(expect_change, change["ci_low"], change["ci_high"]),
-                "claim_pair": f"{variant} {'above' if expect_pair > 0 else 'below'} {reference} at d={deepest}",
+                "verdict_change": verdict(expect_change, change),
+                "claim_pair": f"{variant} {({1: 'above', -1: 'below', 0: 'about equal to'})[expect_pair]} "
+                f"{reference} at d={depth}",
                 "pair": pair["difference"],
                 "pair_low": pair["ci_low"],
                 "pair_high": pair["ci_high"],
-                "verdict_pair": verdict(expect_pair, pair["ci_low"], pair["ci_high"]),
+                "verdict_pair": verdict(expect_pair, pair),
                 "seeds": pair["seeds"],
                 "prompts": pair["prompts"],
             }
@@ -205,7 +227,7 @@ def paper_markdown(rows: list[dict]) -> str:
 def tables(runs, reference: str = "eagle3", variant: str = "eagle3.1", count: int = 2000):
     """(paired rows, depth-change rows, paper rows): everything this module writes, for paper/build.py too."""
     paired = drift_paired_rows(runs, reference, count)
-    changes = depth_change_rows(runs, count)
+    changes = depth_change_rows(runs, count, to=PAPER_DEPTH)
     return paired, changes, paper_rows(changes, paired, reference, variant) if paired else []
 
 

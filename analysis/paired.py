@@ -103,8 +103,8 @@ def drift_sums(run: Run, prompts: list[str], scope: str = DRIFT_SCOPE) -> dict[s
     for d, rows in table.groupby("depth"):
         rows = rows.set_index("prompt").loc[prompts]
         drafts = rows["drafts"].to_numpy(float)
-        for m in DRIFT:
-            out[f"{m}@{d}"] = (np.nan_to_num(rows[m].to_numpy(float)) * drafts, drafts)
+        for m in DRIFT:  # (a NaN mean with drafts stays NaN: a diverged drafter is not scored as 0)
+            out[f"{m}@{d}"] = (np.where(drafts > 0, rows[m].to_numpy(float) * drafts, 0.0), drafts)
     return out
 
 
@@ -281,9 +281,9 @@ def drift_paired_rows(runs: list[Run], reference: str = "eagle3", count: int = 2
     return _paired_rows(runs, reference, count, drift=True)
 
 
-def depth_change_rows(runs: list[Run], count: int = 2000) -> list[dict]:
-    """Per setup and drift measure: the deepest depth's value minus the first's, on the same seeds and prompts
-    (the change with depth the paper reports, with its 95% interval)."""
+def depth_change_rows(runs: list[Run], count: int = 2000, to: int | None = None) -> list[dict]:
+    """Per setup and drift measure: the value at depth `to` (None, or past the deepest: the deepest) minus the first
+    depth's, on the same seeds and prompts (the change with depth the paper reports, with its 95% interval)."""
     rows = []
     for label, members in setups(runs).items():
         members = [r for r in members if "suites/drift_per_prompt" in r.tables]
@@ -292,6 +292,7 @@ def depth_change_rows(runs: list[Run], count: int = 2000) -> list[dict]:
         prompts = sorted(set.intersection(*(set(prompts_of(r, DRIFT_SCOPE)) for r in members)))
         sums = stack(members, prompts, DRIFT_SCOPE)
         deepest = max(int(n.split("@")[1]) for n in sums)
+        deepest = min(deepest, to) if to else deepest
         picks, weights = resamples(len(members), len(prompts), count)
         for m in DRIFT:
             first, last = sums[f"{m}@1"], sums[f"{m}@{deepest}"]

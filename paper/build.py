@@ -117,6 +117,14 @@ def scaling_table(rows: list[dict]) -> str:
     return "\n".join([*lines, r"\bottomrule", r"\end{tabular}"]) + "\n"
 
 
+def difference_cell(r: dict | None) -> str:
+    """A paired difference to three decimals, bold where resolved; -- where this setup has no such depth (setups of
+    other ttt_steps reach other depths) or nothing was measured there."""
+    if r is None or math.isnan(r["difference"]):
+        return "--"
+    return rf"\textbf{{{r['difference']:+.3f}}}" if r["resolved"] else f"{r['difference']:+.3f}"
+
+
 def paired_table(rows: list[dict]) -> str:
     """The paired differences against the reference by depth: one block per setup, a row per measure, a column per
     depth (or k); bold where the 95% interval excludes 0; the power rows give the smallest difference resolvable
@@ -130,8 +138,7 @@ def paired_table(rows: list[dict]) -> str:
         name = f"{tex_escape(setup)} $-$ {tex_escape(mine[0]['reference'])}"
         for measure, label in labels.items():
             at = {r["at"]: r for r in mine if r["measure"] == measure}
-            cells = [rf"\textbf{{{at[d]['difference']:+.3f}}}" if at[d]["resolved"] else f"{at[d]['difference']:+.3f}"
-                     if d in at and not math.isnan(at[d]["difference"]) else "--" for d in depths]  # fmt: skip
+            cells = [difference_cell(at.get(d)) for d in depths]
             lines.append(" & ".join([name, label, *cells]) + r" \\")
             name = ""
         for measure in ("n_alpha", "tf_acc"):
@@ -154,11 +161,6 @@ def suite_paired_table(rows: list[dict]) -> str:
     lines.append(r"\midrule")
     labels = {"tau": r"$\Delta\tau(k)$", "n_alpha": r"$\Delta\,n\text{-}\alpha(d)$"}
 
-    def difference(r: dict | None) -> str:
-        if r is None or math.isnan(r["difference"]):
-            return "--"
-        return rf"\textbf{{{r['difference']:+.3f}}}" if r["resolved"] else f"{r['difference']:+.3f}"
-
     for setup in dict.fromkeys(r["setup"] for r in rows):
         name = f"{tex_escape(setup)} $-$ {tex_escape(next(r for r in rows if r['setup'] == setup)['reference'])}"
         for scope in dict.fromkeys(r["scope"] for r in rows if r["setup"] == setup):
@@ -170,7 +172,7 @@ def suite_paired_table(rows: list[dict]) -> str:
                 if measure == "n_alpha":
                     need = at[POWER_DEPTH]["prompts_for_10pct"] if POWER_DEPTH in at else math.nan
                     tail = [str(mine[0]["prompts"]), "--" if math.isnan(need) else f"{need:.0f}"]
-                cells = [difference(at.get(d)) for d in depths]
+                cells = [difference_cell(at.get(d)) for d in depths]
                 lines.append(" & ".join([name, condition, label, *cells, *tail]) + r" \\")
                 name = condition = ""
         lines.append(r"\midrule")
@@ -189,8 +191,7 @@ def drift_paired_table(rows: list[dict]) -> str:
         name = f"{tex_escape(setup)} $-$ {tex_escape(mine[0]['reference'])}"
         for measure in dict.fromkeys(r["measure"] for r in mine):
             at = {r["at"]: r for r in mine if r["measure"] == measure}
-            cells = [rf"\textbf{{{at[d]['difference']:+.3f}}}" if at[d]["resolved"] else f"{at[d]['difference']:+.3f}"
-                     if d in at and not math.isnan(at[d]["difference"]) else "--" for d in depths]  # fmt: skip
+            cells = [difference_cell(at.get(d)) for d in depths]
             lines.append(" & ".join([name, tex_escape(DRIFT_NAMES[measure]), *cells]) + r" \\")
             name = ""
         lines.append(r"\midrule")

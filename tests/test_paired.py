@@ -167,7 +167,7 @@ def test_drift_measures_are_paired_per_flag_and_held_to_the_papers_directions():
     assert verdicts["hidden_rms"]["verdict_change"] == "reproduced"  # the paper: 3.92 -> 14.02
     assert verdicts["hidden_rms"]["verdict_pair"] == "reproduced"  # the paper: 1.20 < 14.02 at depth 8
     assert verdicts["sink_share"]["verdict_change"] == "unresolved"  # flat here; the paper: 0.46 -> 0.08
-    assert verdicts["sink_share"]["verdict_pair"] == "reproduced"  # the paper: 0.10 > 0.08
+    assert verdicts["sink_share"]["verdict_pair"] == "not claimed"  # the paper: 0.10 against 0.08, about equal
     assert verdicts["context_share"]["verdict_pair"] == "unresolved"  # 0.5 both sides
     text = paired_markdown(paired, changes)
     assert "fc_norm (no_norm_output): not resolved" in text and "fc_norm + norm_output (eagle3.1): − at d" in text

@@ -221,7 +221,7 @@ def test_drift_measures_paired_on_the_store_agree_with_each_runs_drift_table(sto
         assert float(r["ci_low"]) <= float(r["difference"]) <= float(r["ci_high"])
     paper = list(csv.DictReader(open(out / "drift_vs_paper.csv")))
     assert [r["measure"] for r in paper] == ["hidden_rms", "sink_share", "recent_share", "context_share"]
-    verdicts = {"reproduced", "reversed", "unresolved"}
+    verdicts = {"reproduced", "reversed", "unresolved", "not claimed"}
     assert all(r["verdict_change"] in verdicts and r["verdict_pair"] in verdicts for r in paper)
     assert "Which flag moves which measure" in (out / "paired_drift.md").read_text()
 
