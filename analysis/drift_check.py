@@ -40,6 +40,9 @@ from tqdm.auto import tqdm
 
 MEASURES = ("hidden_rms", "sink_share", "context_share", "draft_share", "recent_share", "entropy")
 RELATIVE = ("hidden_rms", "entropy")  # compared relative to their size; the shares (in [0, 1]) absolutely
+# The suite runs the drafter in float32, this check in float64: a probability's rounding moves p·log p by
+# |log p + 1|·dp, ~20× for the smallest probabilities, so the entropy is held to 10× the shares' tolerance.
+TOLERANCE_SCALE = {"entropy": 10.0}
 
 
 class KVCache:
@@ -252,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", type=Path)
-    ap.add_argument("--tolerance", type=float, default=1e-4, help="largest gap allowed (hidden_rms, entropy: relative)")
+    ap.add_argument(
+        "--tolerance", type=float, default=1e-4, help="largest gap allowed (hidden_rms, entropy: relative; entropy 10x)"
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # one small matrix-vector product after another: more threads only wait on each other
     check = recompute(args.run_dir)
@@ -263,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{m:14s} largest gap {gap:.2e}{' (relative)' if m in RELATIVE else ''} (depth {depth})")
     drafts_equal = all(int(a["drafts"]) == b["drafts"] for a, b in zip(suite, check))
     print(f"drafts per depth {'equal' if drafts_equal else 'DIFFER'}")
-    ok = drafts_equal and all(g <= args.tolerance for g, _ in worst.values())
+    ok = drafts_equal and all(g <= args.tolerance * TOLERANCE_SCALE.get(m, 1.0) for m, (g, _) in worst.items())
     print("agree" if ok else f"DISAGREE beyond {args.tolerance}")
     return 0 if ok else 1
 
