@@ -22,7 +22,6 @@ over drafts; then over the seeds of a setup (± SE). Writes DIR/attention_region
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -30,9 +29,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
 
-from analysis.drift_check import KVCache, PlainDrafter, target_embedding
+from analysis.drift_check import drafts, load_run, single_turn
 from analysis.store import load_or_exit, setups
 
 REGIONS = ("first token", "prompt", "earlier answer", "local context", "own drafts")
@@ -50,43 +48,16 @@ def region_of(key_pos: torch.Tensor, t: int, prompt_len: int, recent: int) -> to
 
 def run_regions(run_dir: Path, sequences: int) -> pd.DataFrame:
     """One run: rows (depth, region, share), each the mean over its drafts."""
-    from eaglelab.data.store import Sequences, StateStore, TokenStore
-
-    inputs = json.loads((run_dir / "suites" / "drift_inputs.json").read_text())
-    drafter = PlainDrafter(
-        run_dir / "drafter", target_embedding(Path(json.loads((run_dir / "run.json").read_text())["target_path"]))
-    )
-    depth, recent = inputs["depth"], inputs["recent_tokens"]
-    seqs = Sequences(TokenStore(Path(inputs["tokens"])), StateStore(Path(inputs["states"])), rows=inputs["rows"])
+    drafter, seqs, inputs = load_run(run_dir)
     sums, counts = defaultdict(float), defaultdict(int)
-    for i in tqdm(range(min(sequences, len(seqs))), desc=run_dir.name, unit="sequence", leave=False):
-        item = seqs.item(i)
-        if "spans" in item:
-            raise SystemExit(f"error: {run_dir}: multi-turn sequences (spans) are not split here; use single-turn ones")
-        ids, aux, P = item["input_ids"].tolist(), item["aux"].double(), item["prompt_len"]
-        T = len(ids)
-        caches = [KVCache(T + depth, drafter.kv, drafter.d) for _ in range(drafter.layers)]
-        for t in range(T):
-            fed, seen = drafter.step(ids[t + 1] if t + 1 < T else 0, drafter.fused(aux[t]), t, caches)
-            if t < P - 1:
-                continue
-            context, views = caches[0].n, [seen]
-            for j in range(2, depth + 1):
-                if t + j + 1 >= T:
-                    break
-                fed, seen = drafter.step(ids[t + j], fed, t + j - 1, caches)
-                views.append(seen)
-            for c in caches:
-                c.rewind(context)
-            for j, layers in enumerate(views, start=1):
-                if t + j + 1 >= T:  # no draft is made: its target is past the sequence
-                    break
-                for probs, key_pos in layers:
-                    region = region_of(key_pos, t, P, recent)
-                    share = torch.zeros(len(REGIONS), dtype=torch.float64).index_add_(0, region, probs.mean(0))
-                    for r, name in enumerate(REGIONS):
-                        sums[(j, name)] += float(share[r]) / len(layers)
-                counts[j] += 1
+    for ids, aux, prompt_len in single_turn(seqs, run_dir.name, sequences):
+        for t, j, _, layers in drafts(drafter, ids, aux, prompt_len, inputs["depth"]):
+            for probs, key_pos in layers:
+                region = region_of(key_pos, t, prompt_len, inputs["recent_tokens"])
+                share = torch.zeros(len(REGIONS), dtype=torch.float64).index_add_(0, region, probs.mean(0))
+                for r, name in enumerate(REGIONS):
+                    sums[(j, name)] += float(share[r]) / len(layers)
+            counts[j] += 1
     return pd.DataFrame(
         [{"depth": j, "region": name, "share": sums[(j, name)] / counts[j]} for j in sorted(counts) for name in REGIONS]
     )

@@ -152,36 +152,38 @@ def attention_measures(probs: torch.Tensor, key_pos: torch.Tensor, t: int, pos: 
     }
 
 
-def sequence_measures(
-    drafter: PlainDrafter, ids: list[int], aux: torch.Tensor, prompt_len: int, depth: int, recent: int
-):
-    """{(j, measure): [values]} over one sequence's drafts: x_0..x_{T-1} = ids, aux [T, n_aux·H_t]."""
-    T, out = len(ids), defaultdict(list)
+def drafts(drafter: PlainDrafter, ids: list[int], aux: torch.Tensor, prompt_len: int, depth: int):
+    """Every draft an engine would make on one sequence (x_0..x_{T-1} = ids, aux [T, n_aux·H_t]), in order:
+    (verified position t, depth j, the state fed to it [H], per layer its probabilities [heads, keys] and the keys'
+    position ids). A draft is made from t >= prompt_len - 1 while its target x_{t+j+1} is inside the sequence."""
+    T = len(ids)
     caches = [KVCache(T + depth, drafter.kv, drafter.d) for _ in range(drafter.layers)]
     for t in range(T):
         token = ids[t + 1] if t + 1 < T else 0  # step 1 at t reads x_{t+1} (the engine's next verified token)
-        g = drafter.fused(aux[t])
-        fed, seen = drafter.step(token, g, t, caches)
+        state = drafter.fused(aux[t])
+        fed, seen = drafter.step(token, state, t, caches)
         if t < prompt_len - 1:
             continue
         context = caches[0].n  # the chain's keys go after the context's and are dropped after it
-        states, views = [g], [seen]
-        for j in range(2, depth + 1):
+        for j in range(1, depth + 1):
             if t + j + 1 >= T:
                 break
-            states.append(fed)
-            fed, seen = drafter.step(ids[t + j], fed, t + j - 1, caches)
-            views.append(seen)
+            if j > 1:
+                state = fed
+                fed, seen = drafter.step(ids[t + j], state, t + j - 1, caches)
+            yield t, j, state, seen
         for c in caches:
             c.rewind(context)
-        for j, (state, layers) in enumerate(zip(states, views), start=1):
-            if t + j + 1 >= T:  # the j-th draft's target x_{t+j+1} is past the sequence: no draft is made
-                break
-            out[(j, "hidden_rms")].append(float(state.pow(2).mean().sqrt()))
-            per_layer = [attention_measures(pr, kp, t, t + j - 1, recent) for pr, kp in layers]
-            for m in MEASURES[1:]:
-                out[(j, m)].append(sum(r[m] for r in per_layer) / len(per_layer))
-    return out
+
+
+def single_turn(seqs, desc: str, limit: int | None = None):
+    """(ids, aux float64, prompt length) of the first `limit` sequences of `seqs` (all by default), with a progress
+    bar; multi-turn sequences (spans) are refused: their drafts are not only past the prompt."""
+    for i in tqdm(range(min(limit or len(seqs), len(seqs))), desc=desc, unit="sequence", leave=False):
+        item = seqs.item(i)
+        if "spans" in item:
+            raise SystemExit("error: multi-turn sequences (spans) are not covered here; use single-turn ones")
+        yield item["input_ids"].tolist(), item["aux"].double(), item["prompt_len"]
 
 
 def target_embedding(target_path: Path) -> torch.Tensor:
@@ -199,8 +201,8 @@ def target_embedding(target_path: Path) -> torch.Tensor:
                      f"target_path at the target's Hugging Face folder")  # fmt: skip
 
 
-def recompute(run_dir: Path) -> list[dict]:
-    """The suite's measures per depth, recomputed on its sequences."""
+def load_run(run_dir: Path):
+    """(the exported drafter as PlainDrafter, the drift suite's sequences, its drift_inputs.json) of one run."""
     from eaglelab.data.store import Sequences, StateStore, TokenStore  # the cache's readers: data, not the method
 
     inputs_file = run_dir / "suites" / "drift_inputs.json"
@@ -210,19 +212,24 @@ def recompute(run_dir: Path) -> list[dict]:
     target = Path(json.loads((run_dir / "run.json").read_text())["target_path"])
     drafter = PlainDrafter(run_dir / "drafter", target_embedding(target))
     seqs = Sequences(TokenStore(Path(inputs["tokens"])), StateStore(Path(inputs["states"])), rows=inputs["rows"])
+    return drafter, seqs, inputs
+
+
+def recompute(run_dir: Path) -> list[dict]:
+    """The suite's measures per depth, recomputed on its sequences."""
+    drafter, seqs, inputs = load_run(run_dir)
     return measures(drafter, seqs, inputs["depth"], inputs["recent_tokens"])
 
 
 def measures(drafter: PlainDrafter, seqs, depth: int, recent: int) -> list[dict]:
     """Rows per depth j = 1..depth: each measure's mean over every draft of `seqs` (a Sequences view) and the drafts."""
     values = defaultdict(list)
-    for i in tqdm(range(len(seqs)), desc="drift check", unit="sequence", leave=False):
-        item = seqs.item(i)
-        if "spans" in item:
-            raise SystemExit("error: multi-turn sequences (spans) are not covered by this check; use single-turn ones")
-        ids, aux = item["input_ids"].tolist(), item["aux"].double()
-        for key, v in sequence_measures(drafter, ids, aux, item["prompt_len"], depth, recent).items():
-            values[key] += v
+    for ids, aux, prompt_len in single_turn(seqs, "drift check"):
+        for t, j, state, layers in drafts(drafter, ids, aux, prompt_len, depth):
+            values[(j, "hidden_rms")].append(float(state.pow(2).mean().sqrt()))
+            per_layer = [attention_measures(pr, kp, t, t + j - 1, recent) for pr, kp in layers]
+            for m in MEASURES[1:]:
+                values[(j, m)].append(sum(r[m] for r in per_layer) / len(per_layer))
     return [
         {
             "depth": j,

@@ -25,7 +25,7 @@ from analysis.drift_table import interval as drift_interval
 from analysis.drift_table import tables as drift_tables
 from analysis.drift_table import write as write_drift
 from analysis.figures import draw_all, seed_frames
-from analysis.paired import POWER_DEPTH, POWER_SHARE, first_resolved, paired_rows, suite_paired_rows
+from analysis.paired import DRIFT, POWER_DEPTH, POWER_SHARE, first_resolved, paired_rows, suite_paired_rows
 from analysis.paired import write as write_paired
 from analysis.scaling import DEEP_K, MEASURES, scaling_rows
 from analysis.scaling import write as write_scaling
@@ -125,14 +125,20 @@ def difference_cell(r: dict | None) -> str:
     return rf"\textbf{{{r['difference']:+.3f}}}" if r["resolved"] else f"{r['difference']:+.3f}"
 
 
-def paired_table(rows: list[dict]) -> str:
-    """The paired differences against the reference by depth: one block per setup, a row per measure, a column per
-    depth (or k); bold where the 95% interval excludes 0; the power rows give the smallest difference resolvable
-    with 80% power at each depth."""
+ACCEPTANCE_LABELS = {
+    "tau": r"$\Delta\tau(k)$",
+    "n_alpha": r"$\Delta\,n\text{-}\alpha(d)$",
+    "tf_acc": r"$\Delta$acc$(d)$",
+}
+
+
+def paired_table(rows: list[dict], labels: dict = ACCEPTANCE_LABELS, power: tuple = ("n_alpha", "tf_acc")) -> str:
+    """The paired differences against the reference by depth: one block per setup, a row per measure (`labels`:
+    measure -> its label), a column per depth (or k); bold where the 95% interval excludes 0; the power rows (for the
+    measures in `power`) give the smallest difference resolvable with 80% power at each depth."""
     depths = sorted({r["at"] for r in rows})
     head = ["setup", "", *(f"${d}$" for d in depths)]
     lines = [r"\begin{tabular}{ll" + "r" * len(depths) + "}", r"\toprule", " & ".join(head) + r" \\", r"\midrule"]
-    labels = {"tau": r"$\Delta\tau(k)$", "n_alpha": r"$\Delta\,n\text{-}\alpha(d)$", "tf_acc": r"$\Delta$acc$(d)$"}
     for setup in dict.fromkeys(r["setup"] for r in rows):
         mine = [r for r in rows if r["setup"] == setup]
         name = f"{tex_escape(setup)} $-$ {tex_escape(mine[0]['reference'])}"
@@ -141,7 +147,7 @@ def paired_table(rows: list[dict]) -> str:
             cells = [difference_cell(at.get(d)) for d in depths]
             lines.append(" & ".join([name, label, *cells]) + r" \\")
             name = ""
-        for measure in ("n_alpha", "tf_acc"):
+        for measure in power:
             at = {r["at"]: r for r in mine if r["measure"] == measure}
             cells = [f"{at[d]['mde80']:.3f}" if d in at and not math.isnan(at[d]["mde80"]) else "--" for d in depths]
             lines.append(" & ".join(["", f"resolvable, {labels[measure]}", *cells]) + r" \\")
@@ -175,25 +181,6 @@ def suite_paired_table(rows: list[dict]) -> str:
                 cells = [difference_cell(at.get(d)) for d in depths]
                 lines.append(" & ".join([name, condition, label, *cells, *tail]) + r" \\")
                 name = condition = ""
-        lines.append(r"\midrule")
-    lines[-1] = r"\bottomrule"
-    return "\n".join([*lines, r"\end{tabular}"]) + "\n"
-
-
-def drift_paired_table(rows: list[dict]) -> str:
-    """Each drift measure's paired difference against the reference by depth: one block per setup, a row per measure,
-    a column per depth; bold where the 95% interval excludes 0."""
-    depths = sorted({r["at"] for r in rows})
-    head = ["setup", "", *(f"${d}$" for d in depths)]
-    lines = [r"\begin{tabular}{ll" + "r" * len(depths) + "}", r"\toprule", " & ".join(head) + r" \\", r"\midrule"]
-    for setup in dict.fromkeys(r["setup"] for r in rows):
-        mine = [r for r in rows if r["setup"] == setup]
-        name = f"{tex_escape(setup)} $-$ {tex_escape(mine[0]['reference'])}"
-        for measure in dict.fromkeys(r["measure"] for r in mine):
-            at = {r["at"]: r for r in mine if r["measure"] == measure}
-            cells = [difference_cell(at.get(d)) for d in depths]
-            lines.append(" & ".join([name, tex_escape(DRIFT_NAMES[measure]), *cells]) + r" \\")
-            name = ""
         lines.append(r"\midrule")
     lines[-1] = r"\bottomrule"
     return "\n".join([*lines, r"\end{tabular}"]) + "\n"
@@ -377,7 +364,8 @@ def generate(runs: list[Run], out: Path, skipped: int, duplicates: int, referenc
     drift_paired, drift_changes, drift_paper = drift_tables(runs, reference, count=PAIRED_RESAMPLES)
     if drift_paired:  # the drift suite's measures paired per flag, and held to the paper's values
         written += write_drift(drift_paired, drift_changes, drift_paper, tables)
-        (tables / "drift_paired.tex").write_text(drift_paired_table(drift_paired))
+        drift_labels = {m: tex_escape(DRIFT_NAMES[m]) for m in DRIFT}  # (the drift measures: no power rows)
+        (tables / "drift_paired.tex").write_text(paired_table(drift_paired, drift_labels, power=()))
         written.append(tables / "drift_paired.tex")
         if drift_paper:
             (tables / "drift_vs_paper.tex").write_text(drift_paper_table(drift_paper))

@@ -45,7 +45,8 @@ class _Accumulator:
 
     def start(self, batch: Batch) -> None:
         self.batch = batch
-        self.slots = torch.tensor([self.slot_of[int(r)] for r in batch.index], device=batch.input_ids.device)
+        slots = [self.slot_of[r] for r in batch.index.tolist()]  # (one copy to the host, not one per sequence)
+        self.slots = torch.tensor(slots, device=batch.input_ids.device)
 
     def valid(self, query_t: torch.Tensor, j: int) -> torch.Tensor:
         """[B, tq] the queries at positions `query_t` [B, tq] that make a j-th draft an engine would (Batch.drafting:
