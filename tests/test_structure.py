@@ -24,7 +24,7 @@ RANK = {
     "eaglelab.serving": 0,  # decode speed as served, in the engine process (vLLM's server and benchmark)
     "eaglelab.rundir": 0,
     "eaglelab.strict_device": 0,  # a test mode: tensor factories in eaglelab name their device
-    "eaglelab.devices": 0,  # the process's CUDA device and an engine's share of it
+    "eaglelab.devices": 0,  # the process's CUDA device and an engine's share of it; a CPU step's freed memory kept
     "eaglelab.ranks": 0,  # who this process is in a trial, and starting the ranks nobody else started
     # 1: prompts
     "eaglelab.data": 1,

@@ -326,7 +326,9 @@ def test_the_chunked_head_loss_equals_the_plain_expression_forward_and_backward(
 
     torch.manual_seed(0)
     N, H, V = 30, 16, 40
-    hidden, weight = torch.randn(N, H, requires_grad=True), torch.randn(V, H, requires_grad=True)
+    hidden, weight = torch.randn(N, H), torch.randn(V, H)
+    weight[5], hidden[:4] = weight[3], 3 * weight[3]  # equal maxima in four rows: the draft is the first, as argmax
+    hidden.requires_grad_(), weight.requires_grad_()
     index = torch.randint(-1, V, (N,))  # (-1: a label outside the draft vocabulary, weight 0)
     kwargs = (
         {"index": index} if loss == "ce" else {"teacher_states": torch.randn(N, 12), "teacher_head": torch.randn(V, 12)}
@@ -345,9 +347,13 @@ def test_the_chunked_head_loss_equals_the_plain_expression_forward_and_backward(
         else:  # bf16 rounds the gradient before the loss's scale is applied here, after it in autograd: one bf16
             # step (2^-8 relative) of the largest term, not of each (small) entry
             torch.testing.assert_close(got, want, rtol=0, atol=2**-7 * float(want.abs().max()))
-    assert torch.equal(drafts, plain_drafts)
+    assert torch.equal(drafts, plain_drafts) and drafts[:4].eq(3).all()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
         torch.testing.assert_close(draft_head_loss(hidden, weight, **kwargs, rows=7)[0], chunked)  # (validation)
+    total, _ = draft_head_loss(hidden, weight, **kwargs, rows=7)
+    total.backward(retain_graph=True)  # its gradients are scaled in place: a second pass would scale them twice
+    with pytest.raises(RuntimeError, match="one backward pass"):
+        total.backward()
 
 
 def test_the_non_finite_checks_wait_for_the_device_once_per_step_and_weights_only_before_a_checkpoint():

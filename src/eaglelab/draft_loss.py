@@ -12,11 +12,13 @@ greedy token; KL: the teacher's softmax) and w_r its weight (CE: 0 for a token o
     ∂loss/∂h   = (∂loss/∂z) W,        ∂loss/∂W = (∂loss/∂z)ᵀ h
 
 So the step keeps [N, H] and [V_d, H] (the sizes of its input and of the head) instead of [N, V_d], and no matmul is
-run twice (a checkpointed loss would run the head again in the backward pass). Where that keeps more, not less
-(fewer rows than about the hidden size: `chunks_cost_more`), the plain expression is used; without gradients, chunks
-always. The numbers are those of the plain expression: logits in the autocast dtype, softmax in float32, gradients
-cast back to the logits' dtype before their matmuls, as autograd does (tests/test_training.py compares both, forward
-and backward).
+run twice (a checkpointed loss would run the head again in the backward pass). Off the matmuls the work is
+memory-bound, so a chunk's is done in one float32 buffer, in place: the logits, shifted by their maximum (which
+also gives the drafts), exponentiated, summed, then turned into the gradient, with no host wait. Where chunks keep
+more, not less (fewer rows than about the hidden size: `chunks_cost_more`), the plain expression is used; without
+gradients, chunks always. The numbers are those of the plain expression: logits in the autocast dtype, softmax in
+float32, gradients cast back to the logits' dtype before their matmuls, as autograd does (tests/test_training.py
+compares both, forward and backward).
 """
 
 from __future__ import annotations
@@ -24,12 +26,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Rows per chunk: a chunk's float32 [rows, V_d] tensors (logits, q, y, the gradient) stay near 4 × 64 MB.
-CHUNK_ELEMENTS = 1 << 24
+# Rows per chunk. Each chunk's elementwise work is memory-bound (a float32 [rows, V_d] buffer read and written a few
+# times), and each also pays the head's [V_d, H] gradient accumulation, so a chunk takes at least H rows; past that,
+# as few as keep the float32 buffer at 16 MB (below glibc's 32 MB mmap ceiling, so on the CPU it comes back from the
+# heap instead of being faulted in afresh: 8x faster to fill), and never more than 64 MB.
+CHUNK_ELEMENTS, MAX_CHUNK_ELEMENTS = 1 << 22, 1 << 24
 
 
-def chunk_rows(draft_vocab_size: int) -> int:
-    return max(1, CHUNK_ELEMENTS // draft_vocab_size)
+def chunk_rows(draft_vocab_size: int, hidden_size: int) -> int:
+    V = draft_vocab_size
+    return max(1, CHUNK_ELEMENTS // V, min(hidden_size, MAX_CHUNK_ELEMENTS // V))
 
 
 class _DraftHeadLoss(torch.autograd.Function):
@@ -40,46 +46,95 @@ class _DraftHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, index, teacher_states, teacher_head, rows, with_grad):
-        grad_hidden = torch.empty_like(hidden) if with_grad and ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if with_grad and ctx.needs_input_grad[1] else None
+        need_hidden, need_weight = with_grad and ctx.needs_input_grad[0], with_grad and ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = product = None  # float32 [V_d, H], and the buffer each chunk's share is made in
         total = hidden.new_zeros((), dtype=torch.float32)
-        argmax = []
+        drafts = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
         for start in range(0, hidden.shape[0], rows):
             part = slice(start, start + rows)
-            h = hidden[part]
-            teacher = teacher_states[part] if teacher_states is not None else None
-            summed, logq, y, dtype = _rows_loss(
-                h, weight, index[part] if index is not None else None, teacher, teacher_head
-            )
-            total += summed
-            argmax.append(logq.argmax(-1))
-            if grad_hidden is None and grad_weight is None:
-                continue
-            g = logq.exp_()  # [n, V_d] q, in place over what is no longer read; then q - y
-            if index is not None:  # y one-hot on the label; a label outside the draft vocabulary weighs 0
-                label = index[part].clamp(min=0)[:, None]
-                g = g.scatter_add_(-1, label, torch.full_like(label, -1, dtype=g.dtype)) * (index[part] >= 0)[:, None]
+            # Under autocast both matmuls with lm_head's weight take autocast's cached low-precision copy (a leaf
+            # parameter): it is cast once per training step, not per chunk, matmul or draft step.
+            logits = F.linear(hidden[part], weight)  # [n, V_d], in the autocast dtype where one is active
+            if index is not None:
+                summed, g = _ce_rows(logits, index[part], drafts[part], need_hidden or need_weight)
             else:
-                g -= y
-            g = g.to(dtype)  # as autograd hands lm_head's backward its output's dtype
-            if grad_hidden is not None:
-                grad_hidden[part] = (g @ weight.to(g.dtype)).to(hidden.dtype)
-            if grad_weight is not None:
-                grad_weight += (g.T @ h.to(g.dtype)).float()
+                teacher = teacher_states[part].to(teacher_head.dtype) @ teacher_head.T  # [n, V_d]
+                summed, g = _kl_rows(logits, teacher, drafts[part], need_hidden or need_weight)
+            total += summed
+            if g is None:
+                continue
+            g = g.to(logits.dtype)  # as autograd hands lm_head's backward its output's dtype
+            if need_hidden:
+                grad_hidden[part] = g @ weight  # [n, H]
+            h = hidden[part].to(g.dtype)
+            if need_weight and grad_weight is None:
+                grad_weight = (g.T @ h).float()
+            elif need_weight:  # accumulated in float32 across chunks
+                product = (
+                    torch.empty((g.shape[1], h.shape[1]), dtype=g.dtype, device=g.device)
+                    if product is None
+                    else product
+                )
+                grad_weight.add_(torch.mm(g.T, h, out=product))
         ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.weight_dtype = weight.dtype
-        argmax = torch.cat(argmax) if argmax else hidden.new_zeros(0, dtype=torch.long)
-        ctx.mark_non_differentiable(argmax)
-        return total, argmax
+        ctx.weight_dtype, ctx.spent = weight.dtype, False
+        ctx.mark_non_differentiable(drafts)
+        return total, drafts
 
     @staticmethod
-    def backward(ctx, grad_total, _grad_argmax):
+    def backward(ctx, grad_total, _grad_drafts):
+        # The saved gradients are scaled in place (no second [V_d, H] buffer), so they serve one backward pass
+        if ctx.spent:
+            raise RuntimeError("draft_head_loss's gradients serve one backward pass: retain_graph is not supported")
+        ctx.spent = True
         grad_hidden, grad_weight = ctx.saved_tensors
         return (
-            grad_hidden * grad_total.to(grad_hidden.dtype) if grad_hidden is not None else None,
-            (grad_weight * grad_total).to(ctx.weight_dtype) if grad_weight is not None else None,
+            grad_hidden.mul_(grad_total.to(grad_hidden.dtype)) if grad_hidden is not None else None,
+            grad_weight.mul_(grad_total).to(ctx.weight_dtype) if grad_weight is not None else None,
             None, None, None, None, None,
         )  # fmt: skip
+
+
+def _ce_rows(logits, index, drafts, gradient):
+    """CE over some rows, in one float32 buffer -> (Σ_r w_r·(-log q_r,label) [], ∂loss/∂z = w·(q - onehot) [n, V_d]
+    float32, or None without `gradient`). Writes each row's draft (the logits' argmax) into `drafts` [n]."""
+    valid, label = index >= 0, index.clamp(min=0)[:, None]
+    z = logits.float()  # [n, V_d]: the one float32 buffer (the logits themselves in float32), worked in place
+    z_label = z.gather(-1, label)[:, 0]
+    m, top = z.max(-1, keepdim=True)  # (the first of equal maxima, as argmax)
+    drafts.copy_(top[:, 0])
+    z -= m
+    z.exp_()
+    s = z.sum(-1, keepdim=True)  # [n, 1]: log q_v = z_v - m - log s
+    summed = ((m[:, 0] + s[:, 0].log() - z_label) * valid).sum()
+    if not gradient:
+        return summed, None
+    w = valid[:, None].to(z.dtype)  # [n, 1]: a label outside the draft vocabulary weighs 0
+    z *= w / s  # w·q, normalised and weighted in one pass
+    return summed, z.scatter_add_(-1, label, -w)  # w·(q - onehot(label))
+
+
+def _kl_rows(logits, teacher, drafts, gradient):
+    """Forward KL(y ‖ q) over some rows, y = softmax(teacher) -> (Σ_r Σ_v y·(log y - log q) [], ∂loss/∂z = q - y
+    [n, V_d] float32, or None without `gradient`). Writes each row's draft into `drafts` [n]. With a, b the teacher's
+    and the drafter's logits less their maxima, e = exp(a), s_t = Σ_v e and s = Σ_v exp(b):
+    Σ_v y·(log y - log q) = Σ_v e·(a - b) / s_t - log s_t + log s (row dots, no [n, V_d] product kept)."""
+    a = teacher.float()  # [n, V_d]
+    a -= a.amax(-1, keepdim=True)
+    e = a.exp()  # [n, V_d]
+    s_t = e.sum(-1)  # [n]
+    z = logits.float()  # [n, V_d]
+    m, top = z.max(-1, keepdim=True)  # (the first of equal maxima, as argmax)
+    drafts.copy_(top[:, 0])
+    z -= m  # b
+    cross = torch.linalg.vecdot(e, a.sub_(z))  # [n]: Σ_v e·(a - b)
+    z.exp_()
+    s = z.sum(-1, keepdim=True)  # [n, 1]
+    summed = (cross / s_t - s_t.log() + s[:, 0].log()).sum()
+    if not gradient:
+        return summed, None
+    return summed, z.mul_(s.reciprocal()).sub_(e.mul_(s_t.reciprocal()[:, None]))  # q - y
 
 
 def draft_head_loss(
@@ -102,7 +157,7 @@ def draft_head_loss(
     if with_grad and rows is None and chunks_cost_more(N, V, H, kl=index is None):
         return _plain(hidden, weight, index, teacher_states, teacher_head)
     return _DraftHeadLoss.apply(
-        hidden, weight, index, teacher_states, teacher_head, rows or chunk_rows(weight.shape[0]), with_grad
+        hidden, weight, index, teacher_states, teacher_head, rows or chunk_rows(V, H), with_grad
     )
 
 
@@ -114,19 +169,12 @@ def chunks_cost_more(rows: int, draft_vocab_size: int, hidden_size: int, kl: boo
     return rows * draft_vocab_size * (2 if kl else 1) <= (rows + draft_vocab_size) * hidden_size
 
 
-def _rows_loss(hidden, weight, index, teacher_states, teacher_head):
-    """The summed loss of some rows -> (loss [], log q [n, V_d] float32, y [n, V_d] (KL; None for CE), the logits'
-    dtype). CE: y one-hot on the label, a label outside the draft vocabulary (-1) weighs 0; KL: y the teacher's
-    distribution over the draft vocabulary."""
-    logits = F.linear(hidden, weight)  # [n, V_d], in the autocast dtype where one is active
-    logq = F.log_softmax(logits.float(), dim=-1)
-    if index is not None:
-        return -(logq.gather(-1, index.clamp(min=0)[:, None])[:, 0] * (index >= 0)).sum(), logq, None, logits.dtype
-    y = F.softmax((teacher_states.to(teacher_head.dtype) @ teacher_head.T).float(), dim=-1)
-    return (y * (torch.log(y.clamp_min(1e-20)) - logq)).sum(), logq, y, logits.dtype
-
-
 def _plain(hidden, weight, index, teacher_states, teacher_head) -> tuple[torch.Tensor, torch.Tensor]:
-    """The loss as autograd differentiates it (what the chunks compute, held whole)."""
-    total, logq, _, _ = _rows_loss(hidden, weight, index, teacher_states, teacher_head)
+    """The loss as autograd differentiates it (what the chunks compute, held whole): log q [N, V_d] float32 kept."""
+    logq = F.log_softmax(F.linear(hidden, weight).float(), dim=-1)
+    if index is not None:
+        total = -(logq.gather(-1, index.clamp(min=0)[:, None])[:, 0] * (index >= 0)).sum()
+    else:
+        y = F.softmax((teacher_states.to(teacher_head.dtype) @ teacher_head.T).float(), dim=-1)
+        total = (y * (torch.log(y.clamp_min(1e-20)) - logq)).sum()
     return total, logq.argmax(-1).detach()

@@ -460,14 +460,22 @@ def layer_step_bytes(B: int, T: int, steps: int, d: Eagle3Config, lowp: int, str
 
 
 def unroll_alive_bytes(
-    batch: int, length: int, steps: int, rows: int, d: Eagle3Config, lowp: int, stream: int, probed: bool = False
+    batch: int,
+    length: int,
+    steps: int,
+    rows: int,
+    d: Eagle3Config,
+    lowp: int,
+    stream: int,
+    probed: bool = False,
+    kl: bool = False,
 ) -> int:
     """What an unroll holds besides autograd's share (or, without gradients, all it holds): every step's
     states scattered to the full length (3 × [B, T, H]), the attention caches (k, v per step and layer), and the
     largest transient: the fused kernel's padded inputs and output over T + 1 rows, or the logits over the draft
-    vocabulary: the loss's chunk of rows (`draft_loss.chunk_rows`: 16 bits out of lm_head, the float32 log-softmax
-    and the teacher's distribution, the gradient cast back) or, with few labels, all of a step's `rows` at once (the
-    plain expression), or validation's drafts at a step's `rows` labelled positions (16 bits each).
+    vocabulary: the loss's chunk of rows (`draft_loss.chunk_rows`, its buffers below) or, with few labels, all of a
+    step's `rows` at once (the plain expression), or validation's drafts at a step's `rows` labelled positions (16
+    bits each).
     `probed` (the drift suite): the explicit softmax instead, one query block's score chain at a time (scores,
     masked, concatenated) with the context's keys and values repeated to every head."""
     H, h, B, T = d.hidden_size, d.num_attention_heads, batch, length
@@ -481,7 +489,10 @@ def unroll_alive_bytes(
         attention = 2 * B * (T + 1) * (h + d.num_key_value_heads) * (d.head_dim + Attention.PAD) * lowp
         attention += 4 * (T + 1) ** 2 if d.attention_window is not None else 0  # the window's mask, float32
     V = d.draft_vocab_size
-    logits = max(rows * V * lowp, min(rows, chunk_rows(V)) * V * (lowp + 4 + 4 + lowp))
+    # a chunk: 16 bits out of lm_head, its float32 buffer, the gradient cast back (KL: the teacher's logits, and its
+    # shifted logits and their exponentials in float32)
+    chunk = (2 * lowp + 4) + (lowp + 8 if kl else 0)
+    logits = max(rows * V * lowp, min(rows, chunk_rows(V, H)) * V * chunk)
     if chunks_cost_more(rows, V, H, kl=False):  # (few labels: the loss's plain expression, all rows at once)
         logits = max(logits, rows * V * (lowp + 4 + 4))
     return outs + caches + max(attention, logits)
@@ -506,8 +517,8 @@ def train_bytes(
     inputs = B * T * (len(d.aux_layer_ids) + kl) * d.target_hidden_size * 6  # the stored 16 bits, then float32
     rows = B * response  # labelled positions: the responses'
     kept = ttt_kept_bytes(B, T, S, response, d, lowp, stream, train.activation_checkpointing, kl)
-    step = kept + unroll_alive_bytes(B, T, S, rows, d, lowp, stream)
-    validation = unroll_alive_bytes(B, T, 2 * S, rows, d, lowp, stream)
+    step = kept + unroll_alive_bytes(B, T, S, rows, d, lowp, stream, kl=kl)
+    validation = unroll_alive_bytes(B, T, 2 * S, rows, d, lowp, stream, kl=kl)
     online = capture_bytes(t, len(d.aux_layer_ids), B * T, rows) if cfg.features.kind != "cached" else 0
     kernels = kernel_cache_bytes(cfg, d, data) if device.type == "cpu" else 0
     return drafter + optimizer + slack * (inputs + online + max(step, validation)) + kernels

@@ -15,6 +15,7 @@ from eaglelab.batches import FeatureDataset, HybridStates, OnlineStates, collate
 from eaglelab.config import RunConfig, TrainConfig, on_cuda
 from eaglelab.data.store import Sequences
 from eaglelab.data.vocab import draft_vocab
+from eaglelab.devices import keep_freed_memory
 from eaglelab.drafter import Eagle3Config, Eagle3Drafter
 from eaglelab.errors import EaglelabError
 from eaglelab.preemption import uninterruptible
@@ -53,6 +54,8 @@ def train_drafter(
     # Seeded here, right before anything random, so the result never depends on what ran before
     # (e.g. whether the data came from the cache or was just generated).
     L.seed_everything(cfg.train.seed, workers=True, verbose=False)
+    if not on_cuda(cfg.train.accelerator):  # a step's freed temporaries kept for the next (CUDA's allocator does it)
+        keep_freed_memory()
     is_val = features["is_val"]
     train_idx = [i for i, v in enumerate(is_val) if not v]
     val_idx = [i for i, v in enumerate(is_val) if v]
