@@ -121,7 +121,13 @@ def one(
         fc_norm=True,
         norm_output=True,
     )
-    train_cfg = TrainConfig(ttt_steps=3, lr=1e-4, loss=loss, freeze_lm_head=frozen)
+    train_cfg = TrainConfig(  # (the precision Lightning would train in: it picks the optimizer, `adamw`)
+        ttt_steps=3,
+        lr=1e-4,
+        loss=loss,
+        freeze_lm_head=frozen,
+        precision="bf16-mixed" if precision == "bf16" else "32-true",
+    )
     teacher_head = torch.randn(c["draft"], c["hidden"]) * 0.02 if loss == "kl" else None  # the target's draft rows
     module = DrafterModule(cfg, train_cfg, target_head=teacher_head)
     module.drafter.set_vocab(torch.randperm(c["vocab"])[: c["draft"]].sort().values)

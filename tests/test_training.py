@@ -450,3 +450,36 @@ def test_a_resumed_loader_with_workers_reads_the_resumed_epochs_batches_from_its
     expected = EpochBatches(40, 2, seed=1)
     expected.set_epoch(2)
     assert [next(batches) for _ in range(2)] == list(expected)[3:5]
+
+
+class AdamWStep(L.LightningModule):
+    """One weight under `training.adamw`, trained by the Trainer `make_trainer` builds."""
+
+    def __init__(self, train_cfg):
+        super().__init__()
+        self.w, self.train_cfg = torch.nn.Parameter(torch.ones(4)), train_cfg
+
+    def training_step(self, batch, batch_idx):
+        return (self.w * batch).pow(2).sum()
+
+    def configure_optimizers(self):
+        from eaglelab.training import adamw
+
+        return adamw([self.w], self.train_cfg)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_the_optimizer_is_fused_where_lightning_allows_it_and_steps_with_clipping_under_every_precision(
+    precision, tmp_path
+):
+    """AdamW fused (32-true), or multi-tensor where Lightning's mixed-precision plugin refuses an optimizer that
+    unscales itself when gradients are clipped (the default train.grad_clip): both train through the real Trainer."""
+    cfg = compose(
+        ["experiment=smoke", f"train.precision={precision}", "train.grad_clip=0.5"], tmp_path, tmp_path / "run"
+    )
+    module = AdamWStep(cfg.train)
+    make_trainer(cfg, tmp_path / "run", False).fit(module, torch.utils.data.DataLoader(torch.ones(3, 4), batch_size=1))
+    opt = module.trainer.optimizers[0]
+    fused = precision == "32-true"
+    assert bool(opt.defaults["fused"]) is fused and bool(opt.defaults["foreach"]) is not fused
+    assert float(module.w.detach().max()) < 1.0  # (it stepped)
