@@ -453,14 +453,21 @@ def test_a_resumed_loader_with_workers_reads_the_resumed_epochs_batches_from_its
 
 
 class AdamWStep(L.LightningModule):
-    """One weight under `training.adamw`, trained by the Trainer `make_trainer` builds."""
+    """One weight under `training.adamw` and `training.clip_gradients` (what DrafterModule's hooks call), trained by
+    the Trainer `make_trainer` builds."""
 
     def __init__(self, train_cfg):
         super().__init__()
-        self.w, self.train_cfg = torch.nn.Parameter(torch.ones(4)), train_cfg
+        self.w, self.train_cfg, self.norms = torch.nn.Parameter(torch.ones(4)), train_cfg, []
 
     def training_step(self, batch, batch_idx):
-        return (self.w * batch).pow(2).sum()
+        return (self.w * batch).pow(2).sum()  # ∂/∂w = 2·w·batch²: norm 4 at the first step, clipped to 0.5
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        from eaglelab.training import clip_gradients
+
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
+        self.norms.append(float(self.w.grad.norm()))
 
     def configure_optimizers(self):
         from eaglelab.training import adamw
@@ -469,17 +476,19 @@ class AdamWStep(L.LightningModule):
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_the_optimizer_is_fused_where_lightning_allows_it_and_steps_with_clipping_under_every_precision(
-    precision, tmp_path
-):
-    """AdamW fused (32-true), or multi-tensor where Lightning's mixed-precision plugin refuses an optimizer that
-    unscales itself when gradients are clipped (the default train.grad_clip): both train through the real Trainer."""
+def test_the_optimizer_is_fused_and_clips_its_gradients_under_every_precision(precision, tmp_path):
+    """AdamW fused under 32-true and bf16-mixed, whose clipping Lightning's mixed-precision plugin would refuse for a
+    fused optimizer (bf16 has no GradScaler to unscale): both train through the real Trainer, clipped to
+    train.grad_clip. Under 16-mixed with clipping it is the multi-tensor AdamW (a fused one would unscale after it)."""
+    from eaglelab.training import adamw
+
     cfg = compose(
         ["experiment=smoke", f"train.precision={precision}", "train.grad_clip=0.5"], tmp_path, tmp_path / "run"
     )
     module = AdamWStep(cfg.train)
     make_trainer(cfg, tmp_path / "run", False).fit(module, torch.utils.data.DataLoader(torch.ones(3, 4), batch_size=1))
-    opt = module.trainer.optimizers[0]
-    fused = precision == "32-true"
-    assert bool(opt.defaults["fused"]) is fused and bool(opt.defaults["foreach"]) is not fused
-    assert float(module.w.detach().max()) < 1.0  # (it stepped)
+    assert module.trainer.optimizers[0].defaults["fused"] and float(module.w.detach().max()) < 1.0  # (it stepped)
+    assert module.norms and max(module.norms) == pytest.approx(0.5, rel=1e-3)
+    cfg.train.precision = "16-mixed"
+    opt = adamw([torch.nn.Parameter(torch.ones(1))], cfg.train)
+    assert not opt.defaults["fused"] and opt.defaults["foreach"]

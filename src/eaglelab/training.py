@@ -18,6 +18,8 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from torch.utils.data import DataLoader, Sampler
 
 from eaglelab import preemption
@@ -326,12 +328,24 @@ class KeepBest(L.Callback):
 def adamw(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.AdamW:
     """The optimizer: AdamW, never the default per-parameter loop, whose parameter-sized temporaries took 2.5 s of a
     4.5 s step at 8B shapes on a CPU (benchmarks/train_throughput.py --profile 8b-64:bf16). Fused (one kernel per
-    parameter, on a CPU as on CUDA: 4.7x the loop on a 14336 × 4096 matrix) where Lightning allows it; with a mixed
-    precision and gradient clipping it refuses an optimizer that unscales its own gradients (a GradScaler's), so
-    there the multi-tensor one (`foreach`: 1.6x the loop)."""
-    fused = not (str(cfg.precision).endswith("-mixed") and cfg.grad_clip)
+    parameter, on a CPU as on CUDA: 4.7x the loop on a 14336 × 4096 matrix), except under 16-mixed with gradient
+    clipping: a fused optimizer unscales the GradScaler's gradients itself, after the clipping, which would then see
+    them scaled; there the multi-tensor one (`foreach`: 1.6x the loop). (bf16-mixed has no scaler:
+    `DrafterModule.configure_gradient_clipping`.)"""
+    fused = not (str(cfg.precision) == "16-mixed" and cfg.grad_clip)
     kind = {"fused": True} if fused else {"foreach": True}
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **kind)
+
+
+def clip_gradients(module: L.LightningModule, optimizer, clip_val, algorithm) -> None:
+    """The gradient clipping of a module whose optimizer is `adamw`'s. Lightning's mixed-precision plugin refuses to
+    clip for an optimizer that unscales its own gradients (fused AdamW), as it could not unscale a GradScaler's
+    first; bf16-mixed has no scaler, so its gradients are clipped as the plugin's base class clips them."""
+    plugin = module.trainer.precision_plugin
+    if clip_val and isinstance(plugin, MixedPrecision) and plugin.scaler is None:
+        Precision.clip_gradients(plugin, optimizer, clip_val, GradClipAlgorithmType(algorithm or "norm"))
+    else:
+        module.clip_gradients(optimizer, gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm)
 
 
 # --- the module --------------------------------------------------------------------------------
@@ -513,6 +527,9 @@ class DrafterModule(L.LightningModule):
         per_epoch = -(-len(self.train_batches) // self.trainer.accumulate_grad_batches)  # (a last partial one steps)
         steps = per_epoch * self.trainer.max_epochs
         return min(steps, self.trainer.max_steps) if self.trainer.max_steps > 0 else steps
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self):
         cfg = self.train_cfg
