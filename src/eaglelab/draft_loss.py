@@ -67,16 +67,13 @@ class _DraftHeadLoss(torch.autograd.Function):
             g = g.to(logits.dtype)  # as autograd hands lm_head's backward its output's dtype
             if need_hidden:
                 grad_hidden[part] = g @ weight  # [n, H]
-            h = hidden[part].to(g.dtype)
-            if need_weight and grad_weight is None:
-                grad_weight = (g.T @ h).float()
-            elif need_weight:  # accumulated in float32 across chunks
-                product = (
-                    torch.empty((g.shape[1], h.shape[1]), dtype=g.dtype, device=g.device)
-                    if product is None
-                    else product
-                )
-                grad_weight.add_(torch.mm(g.T, h, out=product))
+            if need_weight:  # accumulated in float32 across chunks, each chunk's share made in one product buffer
+                h = hidden[part].to(g.dtype)
+                if grad_weight is None:
+                    grad_weight = (g.T @ h).float()
+                else:
+                    product = torch.mm(g.T, h, out=product) if product is not None else g.T @ h
+                    grad_weight.add_(product)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype, ctx.spent = weight.dtype, False
         ctx.mark_non_differentiable(drafts)
