@@ -164,16 +164,19 @@ def test_a_gpu_job_on_a_cpu_only_install_is_one_line_naming_the_fix(tmp_path):
 
 
 def test_a_cpu_steps_freed_memory_is_kept_for_the_next_step():
-    """eaglelab.devices.keep_freed_memory, in a fresh process (the thresholds are per process and adapt): a step that
-    makes and frees three 16 MB temporaries had their pages faulted in again every time (glibc gave the heap's top
-    back); once applied, the freed memory is reused and nothing is faulted in."""
+    """eaglelab.devices.keep_freed_memory, in a fresh process: a step that makes and frees three 16 MB temporaries
+    has their pages faulted in again every time under glibc's initial thresholds (mmap 128 KB, trim 128 KB; pinned
+    there, since glibc adapts them to what a process happened to free, which made the "before" differ from run to
+    run); once applied, the freed memory is reused and nothing is faulted in."""
     import resource
     import subprocess
     import sys
 
     code = """
-import resource, torch
+import ctypes, ctypes.util, resource, torch
 from eaglelab.devices import keep_freed_memory
+libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+libc.mallopt(-3, 128 << 10), libc.mallopt(-1, 128 << 10)  # (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD: glibc's initial)
 def faults():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(5):
