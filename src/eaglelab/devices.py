@@ -79,21 +79,24 @@ def local_cuda_device() -> torch.device:
     return torch.device("cuda", rank)
 
 
-def engine_placement(utilization: float | None = None, beside: int = 0, devices: int = 1) -> tuple[dict, dict]:
+def engine_placement(
+    utilization: float | None = None, beside: int = 0, devices: int = 1, dealt: bool = False
+) -> tuple[dict, dict]:
     """-> (job fields, environment) for a vLLM engine process started now by this process: on a CPU box nothing;
     with CUDA, this process's own device and `gpu_memory_utilization` = (free − headroom − beside) / total, measured
     after this process has returned its allocator's cached blocks (`beside`: bytes the engine's process needs next to
     the engine, e.g. the capture job's LM head). `devices` > 1 (a data engine over tensor × pipeline parallel
     devices, an evaluation engine over tensor parallel ones): this device and the next ones visible, the share the
-    one with the least free room allows. A `utilization` given (eval.vllm.gpu_memory_utilization) is kept, and
-    refused here in one line if it cannot fit what is free."""
+    one with the least free room allows; in a trial of several ranks only where they were `dealt` to this rank
+    (eaglelab.spread: groups of `devices` consecutive local ranks, the first evaluating). A `utilization` given
+    (eval.vllm.gpu_memory_utilization) is kept, and refused here in one line if it cannot fit what is free."""
     if not torch.cuda.is_available():
         return {}, {}
     from eaglelab.ranks import current as current_ranks
 
     device = local_cuda_device()
     group = list(range(device.index, device.index + devices))
-    if devices > 1 and (current_ranks().world_size > 1 or group[-1] >= torch.cuda.device_count()):
+    if devices > 1 and ((current_ranks().world_size > 1 and not dealt) or group[-1] >= torch.cuda.device_count()):
         raise EaglelabError(
             f"an engine over {devices} devices (data.tensor_parallel_size x data.pipeline_parallel_size, or "
             f"eval.vllm.tensor_parallel_size) needs them free for one process, but this is rank {current_ranks().rank} "

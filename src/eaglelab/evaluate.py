@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +25,17 @@ from eaglelab.targets import LOGITS_CHUNK, target_head
 from eaglelab.vllm_engine import INSTALL_HINT, vllm_available
 
 log = logging.getLogger("eaglelab")
+
+
+def as_evaluated(drafter: Eagle3Drafter, device, embed_dtype: torch.dtype) -> Eagle3Drafter:
+    """The trained drafter as both evaluators see it: float32 whatever train.precision trained it in (a "-true" one:
+    16 bits), on `device`, its shared embedding rows in the target's dtype, as in training and in vLLM."""
+    embed = drafter.embed_tokens.weight.data
+    drafter.embed_tokens.weight.data = embed.new_empty(0)  # set aside, so .float() makes no copy of it
+    drafter = drafter.float().to(device)
+    # (A "-true" precision converted it with the module: 64-true's float64 rows would make every layer's input float64.)
+    drafter.embed_tokens.weight.data = embed.to(drafter.d2t.device, embed_dtype)
+    return drafter
 
 
 @torch.no_grad()
@@ -135,10 +145,11 @@ def vllm_wanted(cfg: RunConfig) -> bool:
     return True
 
 
-def held_out_in_vllm(cfg: RunConfig, run_dir: Path, drafter: Eagle3Drafter, serving: Serving, features) -> VllmReport:
-    """`evaluate_in_vllm` with the run's settings, on its exported drafter."""
+def held_out_job(cfg: RunConfig, run_dir: Path, drafter: Eagle3Drafter, serving: Serving, features) -> dict:
+    """The held-out set's engine job with the run's settings, on its exported drafter (run whole in one process, or
+    spread over a trial's ranks: eaglelab.spread)."""
     v = cfg.eval.vllm
-    return evaluate_in_vllm(
+    return vllm_job(
         drafter,
         run_dir / "drafter",
         serving.path,
@@ -151,14 +162,22 @@ def held_out_in_vllm(cfg: RunConfig, run_dir: Path, drafter: Eagle3Drafter, serv
         repeats=v.repeats,
         dtype=cfg.target.dtype,
         max_model_len=serving.max_model_len,
-        suite=cfg.eval.prompts,
-        workdir=run_dir / "vllm",
         enforce_eager=v.enforce_eager,
-        timeout=v.timeout_s,
         gpu_memory_utilization=v.gpu_memory_utilization,
         parity_along_vllm=v.parity_along_vllm,
         tensor_parallel_size=v.tensor_parallel_size,
         temperatures=sorted({0.0, *map(float, cfg.eval.temperature)}),
+    )
+
+
+def held_out_report(cfg: RunConfig, drafter: Eagle3Drafter, serving: Serving, features, engine: dict) -> VllmReport:
+    """`vllm_report` of the held-out job's rows, with the run's settings."""
+    return vllm_report(
+        engine,
+        drafter,
+        features,
+        num_prompts=cfg.eval.vllm.num_prompts,
+        suite=cfg.eval.prompts,
         # the target's distribution, where its final states are cached beside the aux ones (eval.temperature > 0)
         head=target_head(serving.path).lm_head if any(cfg.eval.temperature) and has_final(features) else None,
     )
@@ -202,15 +221,15 @@ ENGINE = "eaglelab.data.vllm_capture"  # evaluation jobs run there: its handler 
 ALONG = "along_vllm"  # the folder of an engine job's workdir that holds the sequences it decoded, captured
 
 
-def along_vllm_job(drafter: Eagle3Drafter, workdir: Path, wanted: bool, dtype: str) -> dict:
-    """What an evaluation job needs to capture the states along its greedy outputs (nothing when not `wanted`): where,
-    which layers, and the room its process needs beside its engines on a GPU (the target's LM head and one chunk of
-    logits, for the labels: as the data stage's capture job)."""
+def along_vllm_job(drafter: Eagle3Drafter, wanted: bool, dtype: str) -> dict:
+    """What an evaluation job needs to capture the states along its greedy outputs (nothing when not `wanted`): which
+    layers (the folder is its part's: eaglelab.spread), and the room its process needs beside its engines on a GPU
+    (the target's LM head and one chunk of logits, for the labels: as the data stage's capture job)."""
     if not wanted:
         return {}
     c, size = drafter.cfg, 4 if dtype == "float32" else 2
     return {
-        "along_vllm": {"folder": str(workdir / ALONG), "layer_ids": list(c.aux_layer_ids)},
+        "along_vllm": {"layer_ids": list(c.aux_layer_ids)},
         "beside_engine_bytes": (c.target_hidden_size + LOGITS_CHUNK) * c.vocab_size * size,
     }
 
@@ -322,7 +341,8 @@ def sampling_rows(sampled: list[dict], drafter, subset, head, suite: str, metric
     device = drafter.d2t.device
     weight = head.to(device, torch.float32)  # [V, H], once
     modes = (("greedy", "simulated_expected"), ("probabilistic", "simulated_expected_sampled"))  # greedy: vLLM's drafts
-    rounds, accepted = 0, {(t, m): [0.0] * deepest for t in ks for m, _ in modes}
+    rounds = {(t, m): [0.0] * deepest for t in ks for m, _ in modes}  # expected, per k (batches.expected_acceptance)
+    accepted = {(t, m): [0.0] * deepest for t in ks for m, _ in modes}
     data = FeatureDataset(subset, list(range(len(subset))), with_final=True)
     for batch in DataLoader(data, batch_size=2, collate_fn=collate):
         batch = move(batch, device)
@@ -330,14 +350,15 @@ def sampling_rows(sampled: list[dict], drafter, subset, head, suite: str, metric
         for t in ks:
             for mode, _ in modes:
                 n, acc = expected_acceptance(drafter, batch, weight, deepest, t, mode, outs=outs)
+                rounds[t, mode] = [a + b for a, b in zip(rounds[t, mode], n)]
                 accepted[t, mode] = [a + b for a, b in zip(accepted[t, mode], acc)]
-        rounds += n
     for t, t_ks in ks.items():
         for mode, evaluator in modes:
             for k in t_ks:
-                tau = 1 + sum(accepted[t, mode][:k]) / max(rounds, 1)
+                n, acc = rounds[t, mode][k - 1], accepted[t, mode][k - 1]
+                tau = 1 + acc / max(n, 1e-12)
                 rows.append(dict(suite=suite, evaluator=evaluator, temperature=t, k=k, acceptance_length=tau))
-                rows[-1].update(drafts=rounds, accepted=sum(accepted[t, mode][:k]))  # expected accepted drafts
+                rows[-1].update(drafts=n, accepted=acc)  # expected rounds and accepted drafts
                 metrics[f"{evaluator.replace('simulated_', '')}_acceptance_length@k{k}@t{t:g}"] = tau
     return rows
 
@@ -408,7 +429,7 @@ class VllmReport:
     metrics: dict
 
 
-def evaluate_in_vllm(
+def vllm_job(
     drafter: Eagle3Drafter,
     drafter_dir: Path,
     target_path: Path,
@@ -422,28 +443,20 @@ def evaluate_in_vllm(
     repeats: int = 3,
     dtype: str,
     max_model_len: int,
-    suite: str,
-    workdir: Path,
     enforce_eager: bool | None = None,
-    timeout: int = 3600,
     gpu_memory_utilization: float | None = None,
     temperatures: list[float] = (0.0,),
-    head: torch.Tensor | None = None,
     parity_along_vllm: bool = True,
     tensor_parallel_size: int = 1,
-) -> VllmReport:
-    """τ per k and decode speed in vLLM, and the simulated evaluator on exactly the same prompts (along the stored
-    continuation and, with `parity_along_vllm`, along vLLM's own greedy outputs)."""
-    from eaglelab.vllm_engine import run_engine
-
-    idx = evenly_spaced(len(features), num_prompts)
-    subset = features.select(idx)
-    prompts = prompt_ids(subset)
-    job = {
+) -> dict:
+    """The engine job that measures τ per k (on an evenly spaced subset of `num_prompts`, with the capture along its
+    greedy outputs when `parity_along_vllm`) and decode speed as served (every sequence of `features`)."""
+    subset = features.select(evenly_spaced(len(features), num_prompts))
+    return {
         "mode": "evaluate",
         "target": str(target_path),
         "drafter": str(drafter_dir),
-        "prompts": prompts,
+        "prompts": prompt_ids(subset),
         # Each sequence's own budget and stop ids, as it was regenerated: vLLM decodes the sequences scored.
         "max_tokens": [int(b) for b in subset["max_tokens"]],
         "stop_token_ids": subset.stop_token_ids,
@@ -457,38 +470,41 @@ def evaluate_in_vllm(
         "waves": waves,
         "repeats": repeats,
         "temperature": 0.0,
-        "log_dir": str(workdir),
         "dtype": dtype,
         "max_model_len": max_model_len,
         "enforce_eager": enforce_eager,
         "gpu_memory_utilization": gpu_memory_utilization,
         "tensor_parallel_size": tensor_parallel_size,  # every engine and server of the job (eaglelab.devices)
-        # progress steps: one per acceptance engine, the capture along its outputs, one per served method and c
-        "engines": len(ks) + parity_along_vllm + (1 + len(throughput_ks)) * len(concurrencies) * bool(throughput_ks),
-        **along_vllm_job(drafter, workdir, parity_along_vllm, dtype),
+        **along_vllm_job(drafter, parity_along_vllm, dtype),
     }
-    result = run_engine(job, workdir, timeout=timeout, desc="evaluate (vLLM)", module=ENGINE)
 
-    greedy = [row for row in result["acceptance"] if row.get("temperature", 0.0) == 0]
+
+def vllm_report(
+    engine: dict, drafter: Eagle3Drafter, features, *, num_prompts: int, suite: str, head: torch.Tensor | None = None
+) -> VllmReport:
+    """vLLM's rows of `vllm_job` (`engine`: its acceptance rows, timed passes and the simulator along its outputs,
+    eaglelab.spread) beside the simulated evaluator on exactly the same prompts: τ per k, parity (along the stored
+    continuation and along vLLM's own outputs), speculative sampling against its expectation, and decode speed."""
+    subset = features.select(evenly_spaced(len(features), num_prompts))
+    greedy = [row for row in engine["acceptance"] if row.get("temperature", 0.0) == 0]
     vllm_totals = {row["k"]: counts_from(row) for row in greedy}
     acc_rows, pos_rows = acceptance_rows(vllm_totals, evaluator="vllm", suite=suite)
-    sim_totals = evaluate_simulated(drafter, subset, max(ks)) if ks else {}
+    sim_totals = evaluate_simulated(drafter, subset, max(vllm_totals)) if vllm_totals else {}
     parity, metrics = [], {}
-    sampled = [row for row in result["acceptance"] if row.get("temperature", 0.0) > 0]
+    sampled = [row for row in engine["acceptance"] if row.get("temperature", 0.0) > 0]
     sampling = sampling_rows(sampled, drafter, subset, head, suite, metrics)
-    along = along_vllm(drafter, workdir / ALONG, greedy) if parity_along_vllm else {}
+    along = engine["along"]
     for row in greedy:
         k = row["k"]
         same = same_output_share(row["outputs"], subset)
-        parity.append(parity_row(suite, "", len(prompts), sim_totals[k], vllm_totals[k], same, along.get(("", k))))
+        parity.append(parity_row(suite, "", len(subset), sim_totals[k], vllm_totals[k], same, along.get(("", k))))
         metrics[f"vllm/acceptance_length@k{k}"] = vllm_totals[k].acceptance_length
         metrics[f"parity/relative_difference@k{k}"] = parity[-1]["relative_difference"]
         if along:
             metrics[f"parity/relative_difference_along_vllm@k{k}"] = parity[-1]["relative_difference_along_vllm"]
-    shutil.rmtree(workdir / ALONG, ignore_errors=True)  # (its states: GBs at scale, and parity.csv holds the result)
     metrics.update(parity_metrics(parity))
 
-    throughput = throughput_rows(result["throughput"])
+    throughput = throughput_rows(engine["throughput"])
     for r in throughput:
         at = f"k{r['k']}@c{r['concurrency']}"
         if r["method"] != "none":
@@ -498,7 +514,7 @@ def evaluate_in_vllm(
                 metrics[f"vllm/speedup_ci_high@{at}"] = r["speedup_ci_high"]
         for what in ("output_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"):
             metrics[f"vllm/{what}@{r['method']}@{at}"] = r[what]
-    return VllmReport(acc_rows, pos_rows, parity, throughput, result["throughput"], sampling, metrics)
+    return VllmReport(acc_rows, pos_rows, parity, throughput, engine["throughput"], sampling, metrics)
 
 
 def evaluate_held_out(
@@ -536,13 +552,14 @@ def evaluate_held_out_in_vllm(
     drafter: Eagle3Drafter,
     serving: Serving,
     held_out,
+    engine: dict,
     by_k: list[dict],
     by_pos: list[dict],
     metrics: dict,
 ) -> tuple[list[dict], list[dict]]:
-    """vLLM's τ per k and decode speedup, appended to the simulated tables; parity.csv, throughput.csv.
-    -> (acceptance rows of both evaluators, parity rows)."""
-    report = held_out_in_vllm(cfg, run_dir, drafter, serving, held_out)
+    """vLLM's τ per k and decode speedup (`engine`: the held-out job's rows), appended to the simulated tables;
+    parity.csv, throughput.csv. -> (acceptance rows of both evaluators, parity rows)."""
+    report = held_out_report(cfg, drafter, serving, held_out, engine)
     by_k = by_k + report.acceptance
     write_csv(run_dir / "acceptance.csv", by_k)
     write_csv(run_dir / "per_position.csv", by_pos + report.per_position)

@@ -24,14 +24,15 @@ from eaglelab.data.stage import capture_backend, check_same_prompts, prepare_dat
 from eaglelab.devices import check_torch_build
 from eaglelab.drafter import Eagle3Config, Eagle3Drafter
 from eaglelab.errors import ConfigError, EaglelabError
-from eaglelab.evaluate import Serving, evaluate_held_out, evaluate_held_out_in_vllm, vllm_wanted
+from eaglelab.evaluate import Serving, as_evaluated, evaluate_held_out, evaluate_held_out_in_vllm, vllm_wanted
 from eaglelab.export import TargetShape, load_checkpoint, save_drafter
-from eaglelab.io import atomic_write_text, writable_folder
+from eaglelab.io import atomic_write_text, writable_folder, write_csv
 from eaglelab.limits import as_disk_full, check_limits, measured_peaks
 from eaglelab.plots import plot_acceptance
-from eaglelab.ranks import broadcast, gather, is_primary, last_words, same_on_every_rank, trial_ranks
+from eaglelab.ranks import barrier, broadcast, gather, is_primary, last_words, same_on_every_rank, trial_ranks
 from eaglelab.rundir import RunRecord, adopt_trained_settings, begin_attempt, end_attempt
-from eaglelab.suites import SuiteInputs, check_suites, evaluate_suites, prepare_suites
+from eaglelab.spread import Spread, engine_jobs, rank_seconds
+from eaglelab.suites import check_suites, evaluate_suites, prepare_suites
 from eaglelab.targets import Target, TargetWeights, load_target, target_device
 
 log = logging.getLogger("eaglelab")
@@ -82,7 +83,9 @@ def run_as_primary(cfg: RunConfig, run_dir: Path) -> Path:
         with last_words(ended):
             metrics = execute(cfg, run_dir, record)
         if cfg.logger.kind == "wandb" and cfg.stage == "all":  # (a prepare-only run has no results to show)
-            log_to_wandb(cfg, run_dir, metrics, record)
+            from eaglelab.tracking import log_results_of
+
+            log_results_of(cfg, run_dir, metrics, record)
     except BaseException as e:
         # A full disk, wherever it surfaced (cache, checkpoint, results): one line naming where and what to do.
         disk_full = as_disk_full(e, run_dir, cfg.paths.cache_dir)
@@ -104,18 +107,6 @@ def run_as_primary(cfg: RunConfig, run_dir: Path) -> Path:
         raise
     end_attempt(run_dir, record, metrics)
     return run_dir
-
-
-def log_to_wandb(cfg: RunConfig, run_dir: Path, metrics: dict, record: RunRecord) -> None:
-    """W&B is a view of the results, not the results: a failure to log is reported, the run still completes."""
-    from eaglelab.tracking import log_results
-
-    preemption.enter_stage("wandb")
-    try:
-        log_results(cfg, run_dir, metrics)
-    except Exception as e:  # W&B is a view of the results: any failure to log is reported, never fatal
-        log.warning("W&B logging failed (%s: %s); the run's results are complete in %s", type(e).__name__, e, run_dir)
-        record.wandb_error = f"{type(e).__name__}: {e}"
 
 
 def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
@@ -167,10 +158,11 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
         )
         record.vllm_skipped = "drafter.attention_window is not expressible in vLLM's Eagle3 drafter"
         use_vllm = False
-    # 2. Prompts -> regenerate -> capture -> cache (shared by every run of this target and data).
+    # 2. Prompts -> regenerate -> capture -> cache (shared by every run of this target and data). Every rank prepares
+    # the evaluation's sets too: their shards are shared out, and each rank evaluates a share (eaglelab.spread).
     with timer("prepare"):
-        data = prepare_data(cfg, target, model_cfg, prompts, train=drafter is None, evaluate=primary)
-        suites = prepare_suites(cfg, target, prompts.held_out, data.capture) if primary else SuiteInputs()
+        data = prepare_data(cfg, target, model_cfg, prompts, train=drafter is None)
+        suites = prepare_suites(cfg, target, prompts.held_out, data.capture)
     timer.seconds.update(data.seconds, prepare_suites=suites.seconds)
     if cfg.stage == "prepare":  # the cache entries are complete: every trial of this data trains from them
         return {**data.metrics, **{f"time/{k}_s": v for k, v in timer.seconds.items()}} if primary else {}
@@ -206,35 +198,44 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
         # must hold is their sum.
         by_rank = gather(measured_peaks()["memory/peak_rss_gb"])
         metrics.update({f"memory/rank{r}_train_peak_rss_gb": gb for r, gb in enumerate(by_rank)})
-    if not primary:
-        return {}
     # The drafter's own cost (the target's shared embeddings are not counted): a second Optuna objective.
     metrics["drafter/params"] = sum(p.numel() for n, p in drafter.named_parameters() if not n.startswith("embed"))
-    # 4. Export in vLLM's Eagle3 format.
-    with timer("export"):
-        save_drafter(drafter, run_dir / "drafter")
-    # Evaluated in float32 whatever train.precision trained it in (a "-true" one: 16 bits), on the training device
-    # (Lightning's teardown leaves the module on the CPU).
-    embed = drafter.embed_tokens.weight.data  # stays in the target's dtype, as in training and in vLLM:
-    drafter.embed_tokens.weight.data = embed.new_empty(0)  # set aside, so .float() makes no copy of it
-    drafter = drafter.float().to(target_device(cfg.train.accelerator))
-    # (A "-true" precision converted it with the module: 64-true's float64 rows would make every layer's input float64.)
-    drafter.embed_tokens.weight.data = embed.to(drafter.d2t.device, weights.embed.dtype)
-    # 5. Evaluate on the held-out prompts: simulated, then in vLLM.
-    record.evaluator = "simulated+vllm" if use_vllm else "simulated"
-    with timer("evaluate"):
-        by_k, by_pos = evaluate_held_out(cfg, run_dir, drafter, data.held_out, metrics)
-    parity: list[dict] = []  # simulated vs vLLM, every group vLLM measures (parity.csv)
+    # 4. Export in vLLM's Eagle3 format (rank 0; the others' engines read it once it is whole).
+    if primary:
+        with timer("export"):
+            save_drafter(drafter, run_dir / "drafter")
     if use_vllm:
-        with timer("evaluate_vllm"), drafter_kept(run_dir):
+        barrier()  # the other ranks' engines read it once it is whole
+    elif not primary:
+        return {}
+    # Evaluated in float32 on the training device (Lightning's teardown leaves the module on the CPU).
+    drafter = as_evaluated(drafter, target_device(cfg.train.accelerator), weights.embed.dtype)
+    # 5. Evaluate on the held-out prompts: simulated (rank 0), then in vLLM, its engine jobs spread over the ranks.
+    record.evaluator = "simulated+vllm" if use_vllm else "simulated"
+    jobs = engine_jobs(cfg, run_dir, drafter, serving, data.held_out, suites) if use_vllm else []
+    engine, shares = {}, []
+    with Spread(jobs, cfg.eval.vllm.tensor_parallel_size, cfg.eval.vllm.timeout_s) as spread:
+        if primary:  # first: if vLLM fails, the trained drafter and these tables stay
+            with timer("evaluate"):
+                by_k, by_pos = evaluate_held_out(cfg, run_dir, drafter, data.held_out, metrics)
+        if jobs:
+            with timer("evaluate_vllm"), drafter_kept(run_dir):
+                engine, shares = spread.run(drafter)
+    if not primary:
+        return {}
+    parity: list[dict] = []  # simulated vs vLLM, every group vLLM measures (parity.csv)
+    if jobs:
+        write_csv(run_dir / "evaluation_ranks.csv", shares)  # which rank measured what, and for how long
+        metrics.update(rank_seconds(shares))
+        with drafter_kept(run_dir):
             by_k, parity = evaluate_held_out_in_vllm(
-                cfg, run_dir, drafter, serving, data.held_out, by_k, by_pos, metrics
+                cfg, run_dir, drafter, serving, data.held_out, engine["held_out"], by_k, by_pos, metrics
             )
     plot_acceptance(run_dir, f"{cfg.variant} (seed {cfg.train.seed})")
     # 6. Suites: extrapolation, drift, long context, templates.
     with timer("suites"), drafter_kept(run_dir):
         metrics.update(
-            evaluate_suites(cfg, drafter, suites, data.held_out, by_k, run_dir, serving if use_vllm else None, parity)
+            evaluate_suites(cfg, drafter, suites, data.held_out, by_k, run_dir, engine.get("suites"), parity)
         )
     timer.seconds["total"] = time.time() - record.started
     metrics.update({f"time/{k}_s": v for k, v in timer.seconds.items()})

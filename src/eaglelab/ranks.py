@@ -165,13 +165,36 @@ def broadcast(value, src: int = 0):
     return box[0]
 
 
-def gather(value) -> list:
-    """Every rank's value (a picklable object), in rank order, on every rank; [value] in one process."""
+def barrier() -> None:
+    """Every rank waits here for the others (a short wait: e.g. for rank 0's export); nothing in one process."""
+    if _several():
+        dist.barrier()
+
+
+def gather(value, group=None) -> list:
+    """Every rank's value (a picklable object), in rank order, on every rank; [value] in one process. `group`: one
+    of `host_group`'s, for a wait longer than the training backend allows."""
     if not _several():
         return [value]
     values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
+    dist.all_gather_object(values, value, group=group)
     return values
+
+
+@contextlib.contextmanager
+def host_group(timeout_s: float):
+    """The trial's ranks in a process group of their own on gloo (host memory), whose collectives wait up to
+    `timeout_s`: for a wait the training backend's would end (NCCL's watchdog: 30 minutes), e.g. rank 0 gathering
+    evaluation rows that the other ranks measure for longer. Every rank enters it (creating a group is collective);
+    None in one process."""
+    if not _several():
+        yield None
+        return
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        yield group
+    finally:
+        dist.destroy_process_group(group)
 
 
 def same_on_every_rank(value, what: str, fix: str) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import math
-import shutil
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -29,10 +28,7 @@ from eaglelab.data.templates import CONDITIONS, renderer
 from eaglelab.drift import drift_diagnostics, drift_inputs
 from eaglelab.errors import ConfigError
 from eaglelab.evaluate import (
-    ALONG,
-    ENGINE,
     Serving,
-    along_vllm,
     along_vllm_job,
     counts_from,
     evaluate_simulated,
@@ -45,6 +41,7 @@ from eaglelab.evaluate import (
     throughput_rows,
 )
 from eaglelab.io import atomic_write_json, write_csv
+from eaglelab.ranks import current as current_ranks
 
 log = logging.getLogger("eaglelab")
 
@@ -79,10 +76,14 @@ def check_suites(cfg: RunConfig) -> None:
 
 
 def prepare_suites(cfg: RunConfig, target, eval_prompts: list, capture: CaptureSettings) -> SuiteInputs:
-    """Regenerate and capture the long-context and template prompts (cached like training data)."""
+    """Regenerate and capture the long-context and template prompts (cached like training data). Every rank of a
+    trial prepares them, each starting at its own condition: the ranks' engines prepare different conditions at once
+    (each condition a cache entry: a rank finds the others' complete, or waits on their locks), and every rank then
+    holds the inputs its share of the evaluation needs (eaglelab.spread)."""
     s, out = cfg.eval.suites, SuiteInputs()
     native = renderer("native", cfg.data.system_prompt)
     tail = tail_tokens(max(suite_ks(cfg)))
+    todo = []  # (suite, condition, prompts, how they are prepared)
     if s.long_context.enabled:
         lc = s.long_context
         room = target.max_context - lc.max_new_tokens - 8  # prompt + answer inside the target's window
@@ -103,16 +104,7 @@ def prepare_suites(cfg: RunConfig, target, eval_prompts: list, capture: CaptureS
             settings = replace(
                 capture, max_length=target.max_context, batch_size=min(capture.batch_size, lc.num_prompts)
             )
-            feats, stats = prepare_features(
-                target,
-                prompts,
-                name=f"long_context-{length}",
-                max_new_tokens=lc.max_new_tokens,
-                tail_tokens=tail,
-                **asdict(settings),
-            )
-            out.long_context[length] = feats
-            out.seconds += sum(stats.seconds.values())
+            todo.append(("long_context", length, prompts, {"max_new_tokens": lc.max_new_tokens, **asdict(settings)}))
     if s.templates.enabled:
         tp = s.templates
         prompts = [eval_prompts[i] for i in evenly_spaced(len(eval_prompts), tp.num_prompts)]
@@ -125,17 +117,18 @@ def prepare_suites(cfg: RunConfig, target, eval_prompts: list, capture: CaptureS
                 out.same_as[condition] = twin
                 continue
             rendered[condition] = ids
-            feats, stats = prepare_features(
-                target,
-                prompts,
-                name=f"templates-{condition}",
-                max_new_tokens=tp.max_new_tokens,
-                render=render,
-                tail_tokens=tail,
-                **asdict(replace(capture, max_length=target.max_context)),
+            how = {"max_new_tokens": tp.max_new_tokens, "render": render}
+            todo.append(
+                ("templates", condition, prompts, {**how, **asdict(replace(capture, max_length=target.max_context))})
             )
-            out.templates[condition] = feats
-            out.seconds += sum(stats.seconds.values())
+    ranks = current_ranks()
+    first = ranks.rank % len(todo) if todo else 0
+    for suite, condition, prompts, how in todo[first:] + todo[:first]:
+        feats, stats = prepare_features(target, prompts, name=f"{suite}-{condition}", tail_tokens=tail, **how)
+        getattr(out, suite)[condition] = feats
+        out.seconds += sum(stats.seconds.values())
+    out.long_context = dict(sorted(out.long_context.items()))  # (each suite's conditions in their own order again)
+    out.templates = {c: out.templates[c] for c in rendered} if s.templates.enabled else {}
     return out
 
 
@@ -187,7 +180,7 @@ def _vllm_groups(inputs: SuiteInputs) -> dict:
     }
 
 
-def long_context_speed_job(cfg: RunConfig, inputs: SuiteInputs, log_dir: Path) -> dict:
+def long_context_speed_job(cfg: RunConfig, inputs: SuiteInputs) -> dict:
     """The suites' engine job's served part: each long-context length timed on its own (eaglelab.serving's
     `timed_groups`), with and without the drafter; nothing to time without the suite or its concurrencies."""
     lc, v = cfg.eval.suites.long_context, cfg.eval.vllm
@@ -203,7 +196,6 @@ def long_context_speed_job(cfg: RunConfig, inputs: SuiteInputs, log_dir: Path) -
         "waves": v.waves,
         "repeats": v.repeats,
         "temperature": 0.0,
-        "log_dir": str(log_dir),
     }
 
 
@@ -229,6 +221,29 @@ def long_context_speed(cfg: RunConfig, out_dir: Path, passes: list[dict]) -> dic
     return metrics
 
 
+def suites_job(cfg: RunConfig, drafter, inputs: SuiteInputs, run_dir: Path, serving: Serving) -> dict | None:
+    """The long-context and template prompt sets' engine job (None without either): τ at the suite depths per
+    condition, the capture along vLLM's outputs, and each long-context length served with and without the drafter."""
+    if not (inputs.long_context or inputs.templates):
+        return None
+    v = cfg.eval.vllm
+    return {
+        "mode": "evaluate",
+        "target": str(serving.path),
+        "drafter": str(run_dir / "drafter"),
+        "groups": _vllm_groups(inputs),
+        "stop_token_ids": next(iter({**inputs.long_context, **inputs.templates}.values())).stop_token_ids,
+        "ks": suite_ks(cfg),
+        "dtype": cfg.target.dtype,
+        "max_model_len": serving.max_model_len,
+        "enforce_eager": v.enforce_eager,
+        "gpu_memory_utilization": v.gpu_memory_utilization,
+        "tensor_parallel_size": v.tensor_parallel_size,
+        **along_vllm_job(drafter, v.parity_along_vllm, cfg.target.dtype),
+        **long_context_speed_job(cfg, inputs),
+    }
+
+
 def evaluate_suites(
     cfg: RunConfig,
     drafter,
@@ -236,12 +251,12 @@ def evaluate_suites(
     eval_feats,
     by_k: list[dict],
     run_dir: Path,
-    serving: Serving | None,
+    engine: dict | None = None,
     parity: list[dict] | None = None,
 ) -> dict:
-    """Run the enabled suites on `drafter`; `serving` (target path, window) when vLLM should measure too.
-    Returns flat metrics; tables and plots are written to run_dir/suites/, and the suites' parity rows are
-    added to the held-out evaluation's (`parity`) in run_dir/parity.csv."""
+    """Run the enabled suites on `drafter`; `engine`: vLLM's rows of `suites_job` when vLLM measured too
+    (eaglelab.spread). Returns flat metrics; tables and plots are written to run_dir/suites/, and the suites' parity
+    rows are added to the held-out evaluation's (`parity`) in run_dir/parity.csv."""
     from eaglelab.plots import plot_drift, plot_extrapolation, plot_suite
 
     s, out_dir, metrics = cfg.eval.suites, run_dir / "suites", {}
@@ -285,35 +300,11 @@ def evaluate_suites(
     if not (inputs.long_context or inputs.templates):
         return metrics
     vllm_rows, along = {}, {}
-    if serving is not None:
-        from eaglelab.vllm_engine import run_engine
-
-        v = cfg.eval.vllm
-        job = {
-            "mode": "evaluate",
-            "target": str(serving.path),
-            "drafter": str(run_dir / "drafter"),
-            "groups": _vllm_groups(inputs),
-            "stop_token_ids": next(iter({**inputs.long_context, **inputs.templates}.values())).stop_token_ids,
-            "ks": suite_ks(cfg),
-            "dtype": cfg.target.dtype,
-            "max_model_len": serving.max_model_len,
-            "enforce_eager": v.enforce_eager,
-            "gpu_memory_utilization": v.gpu_memory_utilization,
-            "tensor_parallel_size": v.tensor_parallel_size,
-            **along_vllm_job(drafter, out_dir / "vllm", v.parity_along_vllm, cfg.target.dtype),
-            **long_context_speed_job(cfg, inputs, out_dir / "vllm"),
-        }
-        served = (1 + len(job["throughput_ks"])) * len(job["concurrencies"]) * len(job.get("timed_groups", {}))
-        job["engines"] = len(suite_ks(cfg)) + v.parity_along_vllm + served  # progress steps
-        result = run_engine(job, out_dir / "vllm", timeout=v.timeout_s, desc="suites (vLLM)", module=ENGINE)
-        vllm_rows = {(r["group"], r["k"]): r for r in result["acceptance"]}
-        if v.parity_along_vllm:
-            greedy = [r for r in result["acceptance"] if r.get("temperature", 0.0) == 0]
-            along = along_vllm(drafter, out_dir / "vllm" / ALONG, greedy, cfg.train.batch_size)
-            shutil.rmtree(out_dir / "vllm" / ALONG, ignore_errors=True)  # (GBs at scale; parity.csv holds the result)
-        if result["throughput"]:
-            metrics.update(long_context_speed(cfg, out_dir, result["throughput"]))
+    if engine is not None:
+        vllm_rows = {(r["group"], r["k"]): r for r in engine["acceptance"]}
+        along = engine["along"]
+        if engine["throughput"]:
+            metrics.update(long_context_speed(cfg, out_dir, engine["throughput"]))
     per_prompt, per_prompt_depth = [], []  # every suite's, one `suite` per condition (analysis/paired.py)
     for suite, groups in (("long_context", inputs.long_context), ("templates", inputs.templates)):
         if not groups:

@@ -168,6 +168,19 @@ def finish_failed() -> None:
         wandb.run.finish(exit_code=1)
 
 
+def log_results_of(cfg: RunConfig, run_dir: Path, metrics: dict, record) -> None:
+    """W&B is a view of the results, not the results: a failure to log is reported (and kept in `record`, run.json's
+    `wandb_error`), the run still completes."""
+    from eaglelab import preemption
+
+    preemption.enter_stage("wandb")
+    try:
+        log_results(cfg, run_dir, metrics)
+    except Exception as e:  # W&B is a view of the results: any failure to log is reported, never fatal
+        log.warning("W&B logging failed (%s: %s); the run's results are complete in %s", type(e).__name__, e, run_dir)
+        record.wandb_error = f"{type(e).__name__}: {e}"
+
+
 def log_results(cfg: RunConfig, run_dir: Path, metrics: dict) -> None:
     """Add the run's results (its files in run_dir) to its W&B run, then finish the run."""
     run = start_run(cfg, run_dir)

