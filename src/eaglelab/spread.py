@@ -21,7 +21,6 @@ In one process nothing is cut: each job runs whole, in its own folder, as before
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import os
 import shutil
@@ -35,8 +34,6 @@ from eaglelab.evaluate import ALONG, ENGINE, along_vllm, held_out_job
 from eaglelab.ranks import current as current_ranks
 from eaglelab.ranks import gather, host_group
 from eaglelab.suites import suites_job
-
-log = logging.getLogger("eaglelab")
 
 
 @dataclass(frozen=True)
