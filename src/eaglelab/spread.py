@@ -21,7 +21,6 @@ In one process nothing is cut: each job runs whole, in its own folder, as before
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import shutil
 import socket
@@ -47,15 +46,20 @@ class Job:
     batch_size: int  # the simulated evaluator's, along vLLM's outputs
 
     def units(self) -> list[tuple[str, int, float]]:
-        """(kind, value, cost) of each separable part: ("k", k) an acceptance engine, ("c", c) the served passes at
-        concurrency c. Cost in engine starts (~15 s each for SmolLM2 on the 2-core box); a served method's pass of
-        c requests ~2 of them at c = 1, growing with √c as the requests in flight slow each other."""
+        """(kind, value, cost) of each separable part: ("k", k) an acceptance engine over all the job's prompts (and
+        the capture along its outputs), ("c", c) the served passes at concurrency c (a server per method, then its
+        passes). Cost in in-process engine starts, calibrated on SmolLM2 on the 2-core box (2026-12-05, one
+        process): an engine start ~15 s, its generation ~1/40 of that a prompt, the capture along it ~5 s + 1/130 a
+        sequence; a server start ~30 s (2), and a pass ~5 s (0.35) at c = 1 and twice that at c = 16, whatever the
+        prompt length up to 2k tokens."""
         j = self.job
-        units = [("k", k, 1.0 + bool(j.get("along_vllm"))) for k in sorted(j["ks"])]
+        prompts = sum(len(g["prompts"]) for g in (j.get("groups") or {"": j}).values())
+        capture = 0.3 + prompts / 130 if j.get("along_vllm") else 0.0
+        units = [("k", k, 1.0 + prompts / 40 + capture) for k in sorted(j["ks"])]
         if j.get("throughput_ks") and j.get("concurrencies"):
             methods, groups = 1 + len(j["throughput_ks"]), max(1, len(j.get("timed_groups") or {}))
             passes = j.get("repeats", 1) * j.get("waves", 1) * groups
-            units += [("c", c, methods * passes * 2 * math.sqrt(c)) for c in sorted(j["concurrencies"])]
+            units += [("c", c, methods * (2.0 + 0.35 * passes * (1 + c / 16))) for c in sorted(j["concurrencies"])]
         return units
 
 
