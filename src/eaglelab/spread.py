@@ -33,6 +33,7 @@ from eaglelab.evaluate import ALONG, ENGINE, along_vllm, held_out_job
 from eaglelab.ranks import current as current_ranks
 from eaglelab.ranks import gather, host_group
 from eaglelab.suites import suites_job
+from eaglelab.vllm_engine import cpu_groups
 
 
 @dataclass(frozen=True)
@@ -137,9 +138,7 @@ def cpu_share(placements: list[tuple[str, int]], mine: list[int], rank: int) -> 
     cpus = sorted(os.sched_getaffinity(0))
     if torch.cuda.is_available() or len(here) < 2 or len(cpus) < len(here):
         return None
-    size = len(cpus) // len(here)
-    i = here.index(rank)
-    return cpus[i * size : (i + 1) * size]
+    return cpu_groups(cpus, len(here))[here.index(rank)]
 
 
 def run_share(job: Job, share: Share, workdir: Path, drafter, timeout: int, cpus, dealt: bool) -> dict:

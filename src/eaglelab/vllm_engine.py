@@ -190,9 +190,14 @@ def cpu_threads_bind(workers: int, cpus: list[int] | None = None) -> dict:
     cpus = sorted(cpus or os.sched_getaffinity(0))
     if len(cpus) < workers:
         return {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    size = len(cpus) // workers
-    groups = [cpus[i * size : (i + 1) * size] for i in range(workers)]
-    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, g)) for g in groups)}
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, g)) for g in cpu_groups(cpus, workers))}
+
+
+def cpu_groups(cpus: list[int], n: int) -> list[list[int]]:
+    """`cpus` in n contiguous groups of equal size (the remainder left out): one per engine worker, or per rank's
+    engine (eaglelab.spread)."""
+    size = len(cpus) // n
+    return [cpus[i * size : (i + 1) * size] for i in range(n)]
 
 
 # --- the engine process --------------------------------------------------------------------------
