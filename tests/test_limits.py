@@ -359,6 +359,9 @@ def test_a_conversation_answered_turn_by_turn_is_sized_to_the_limit(cache_dir, t
         target = load_target(cfg.target, cache_dir)
         (train,) = [s for s in prompt_sets(cfg, target, [long, short, one], [one]) if s.name == "train"]
         (brief,) = [s for s in prompt_sets(cfg, target, [short, one], [one]) if s.name == "train"]
-        sizes[turns] = (train.sequence, train.trained_on, brief.sequence)
-    assert sizes["all"] == (256, 3, 256)  # (two earlier answers of 100 tokens do not fit beside the last)
+        sizes[turns] = (train.sequence, train.trained_on, brief.sequence, train.response)
+    assert sizes["all"][:3] == (256, 3, 256)  # (two earlier answers of 100 tokens do not fit beside the last)
     assert sizes["last"][0] < 256 and sizes["last"][1] == 2 and sizes["last"][2] < 200
+    # Positions labelled (what sizes the head's logits): every answer, the two earlier ones inside the prompt at their
+    # budget, under `all`; the last answer alone under `last`.
+    assert 2 * 100 < sizes["all"][3] <= 256 and sizes["last"][3] <= 100, sizes

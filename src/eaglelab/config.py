@@ -332,6 +332,10 @@ class VllmEvalConfig:
     concurrencies: list[int] = field(default_factory=lambda: [1, 4, 16])
     waves: int = 1
     repeats: int = 3
+    # The temperature every served request decodes at (one service, one temperature; above 0 the server samples,
+    # each request seeded, and the drafter's tokens pass speculative sampling's rejection test), so the speedup is
+    # the one a deployment at that temperature sees. Acceptance at several temperatures: eval.temperature.
+    served_temperature: float = 0.0
     enforce_eager: bool | None = None  # None: eager on CPU (compiling takes minutes), graphs on GPU
     # Parity that isolates the drafter: the simulated evaluator also drafts along vLLM's own greedy outputs, their
     # states captured by a vLLM capture engine after the acceptance engines (one engine more per evaluation)
@@ -362,6 +366,8 @@ class VllmEvalConfig:
         share = self.gpu_memory_utilization
         if share is not None and not 0.0 < share < 1.0:
             raise ConfigError(f"eval.vllm.gpu_memory_utilization must be in (0, 1) or null, got {share}")
+        if self.served_temperature < 0:
+            raise ConfigError(f"eval.vllm.served_temperature must be >= 0, got {self.served_temperature}")
 
 
 @dataclass

@@ -167,6 +167,7 @@ def held_out_job(cfg: RunConfig, run_dir: Path, drafter: Eagle3Drafter, serving:
         parity_along_vllm=v.parity_along_vllm,
         tensor_parallel_size=v.tensor_parallel_size,
         temperatures=sorted({0.0, *map(float, cfg.eval.temperature)}),
+        served_temperature=v.served_temperature,
     )
 
 
@@ -446,6 +447,7 @@ def vllm_job(
     enforce_eager: bool | None = None,
     gpu_memory_utilization: float | None = None,
     temperatures: list[float] = (0.0,),
+    served_temperature: float = 0.0,
     parity_along_vllm: bool = True,
     tensor_parallel_size: int = 1,
 ) -> dict:
@@ -469,7 +471,7 @@ def vllm_job(
         "timed_max_tokens": [int(b) for b in features["max_tokens"]],
         "waves": waves,
         "repeats": repeats,
-        "temperature": 0.0,
+        "temperature": served_temperature,
         "dtype": dtype,
         "max_model_len": max_model_len,
         "enforce_eager": enforce_eager,

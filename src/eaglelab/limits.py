@@ -225,16 +225,17 @@ def prompt_sets(
     native = renderer("native", data.system_prompt)
     sets = []
 
-    def add(name, prompts, render, max_new_tokens, limit, batch, at_limit, trained_on=0, turn_by_turn=False):
-        kept = [
-            (n, m) for n, m in ((length(m, render, max_new_tokens, turn_by_turn), m) for m in prompts)
-            if fits(m, n, limit, turn_by_turn)
-        ]  # fmt: skip
+    def add(name, prompts, render, max_new_tokens, limit, batch, at_limit, trained_on=0, turn_by_turn=False, sizes=()):
+        sizes = sizes or [length(m, render, max_new_tokens, turn_by_turn) for m in prompts]  # (or already known)
+        kept = [(n, m) for n, m in zip(sizes, prompts) if fits(m, n, limit, turn_by_turn)]
         if kept:
             prompt = min(max(n for n, _ in kept), limit - 8)  # (a conversation answered turn by turn: up to the limit)
             sequence = min(prompt + max_new_tokens, limit)
             bound = at_limit if sequence == limit else f"sequences of up to {sequence} tokens"
-            response = min(max_new_tokens, sequence - prompt)
+            # Labelled positions: the last answer, and each earlier one the target gave in turn (data.turns=all), a
+            # span inside the prompt at up to its budget; never more than the sequence.
+            answers = max(len(rounds(m)) if turn_by_turn and is_multi_turn(m) else 1 for _, m in kept)
+            response = min(min(max_new_tokens, sequence - prompt) + (answers - 1) * max_new_tokens, sequence)
             sets.append(PromptSet(name, batch, prompt, sequence, response, bound, trained_on))
 
     # As eaglelab.data.prepare keeps and sizes a prompt: it leaves room for an answer; a training conversation the
@@ -251,9 +252,11 @@ def prompt_sets(
 
     limit, at_limit = min(data.max_length, target.max_context), f"data.max_length={data.max_length}"
     turns = data.turns == "all" and data.responses == "regenerate"
-    trained_on = sum(fits(m, length(m, native, data.max_new_tokens, turns), limit, turns) for m in train_prompts)
     training_set = [*train_prompts, *validation_prompts]
-    add("train", training_set, native, data.max_new_tokens, limit, data.regen_batch_size, at_limit, trained_on, turns)
+    sizes = [length(m, native, data.max_new_tokens, turns) for m in training_set]  # each prompt rendered once
+    trained_on = sum(fits(m, n, limit, turns) for m, n in zip(train_prompts, sizes))
+    batch = data.regen_batch_size
+    add("train", training_set, native, data.max_new_tokens, limit, batch, at_limit, trained_on, turns, sizes)
     add("held-out", held_out_prompts, native, cfg.eval.max_new_tokens, limit, data.regen_batch_size, at_limit)
     if suites.templates.enabled:  # the held-out prompts under every condition, in the target's whole window
         for condition in suites.templates.conditions:

@@ -195,7 +195,7 @@ def long_context_speed_job(cfg: RunConfig, inputs: SuiteInputs) -> dict:
         },
         "waves": v.waves,
         "repeats": v.repeats,
-        "temperature": 0.0,
+        "temperature": v.served_temperature,
     }
 
 

@@ -233,9 +233,11 @@ def fix_cpu_speculative_sampling() -> None:
     to int64 and writes into the casts: a float tensor, each request's temperature spread over its draft tokens, is
     left as allocated, so under speculative *sampling* the target's logits are divided by whatever memory held and
     almost every draft is rejected (tests/test_vllm.py: 4 of 180 accepted at t = 0.01 where greedy decoding accepts
-    68 of 117). Greedy decoding never expands and the GPU's Triton kernel is right. Replaced, before an engine starts
-    in this process (vLLM registers its stand-ins when its worker starts, reading this attribute), with the same
-    expansion in torch. Nothing where vLLM has no such stand-in."""
+    68 of 117). Greedy decoding never expands and the GPU's Triton kernel is right. Replaced with the same expansion
+    in torch, in every vLLM process: this is a `vllm.general_plugins` entry point (pyproject.toml), which vLLM loads
+    in each worker just before it registers its stand-ins (reading this attribute), so the OpenAI servers'
+    processes are right too; `make_engine` also calls it, for an eaglelab run from a source tree no entry point
+    names. Only vLLM's CPU platform reads the attribute; nothing where vLLM has no such stand-in."""
     try:
         from vllm.utils import cpu_triton_utils
     except ImportError:
