@@ -457,8 +457,8 @@ def test_the_speedup_and_its_interval_come_from_the_timed_passes():
 
     def passes(method, k, tps):
         return [
-            {"method": method, "k": k, "concurrency": 4, "repeat": i, "startup_s": 30.0, "requests": 8,
-             "output_tokens": 100, "seconds": 100 / t, "output_tokens_per_s": t, "ttft_p50_ms": 10.0 + i,
+            {"method": method, "k": k, "concurrency": 4, "repeat": i, "temperature": 0.7, "startup_s": 30.0,
+             "requests": 8, "output_tokens": 100, "seconds": 100 / t, "output_tokens_per_s": t, "ttft_p50_ms": 10.0 + i,
              "served_acceptance_length": None if k == 0 else 1.5}
             for i, t in enumerate(tps)
         ]  # fmt: skip
@@ -467,6 +467,7 @@ def test_the_speedup_and_its_interval_come_from_the_timed_passes():
     rows = {r["method"]: r for r in throughput_rows(passes("none", 0, base) + passes("eagle3", 3, spec))}
     assert rows["none"]["speedup"] == 1.0 and rows["none"]["requests"] == 24 and rows["none"]["output_tokens"] == 300
     assert rows["none"]["ttft_p50_ms"] == 11.0 and "served_acceptance_length" not in rows["none"]
+    assert rows["none"]["temperature"] == 0.7  # the requests' own, not a mean of it (0.6999999999999998)
     r = rows["eagle3"]
     assert r["speedup"] == pytest.approx(np.exp(np.mean(np.log(spec)) - np.mean(np.log(base))))
     ci = stats.ttest_ind(np.log(spec), np.log(base), equal_var=False).confidence_interval(0.95)

@@ -395,7 +395,9 @@ def throughput_rows(passes: list[dict]) -> list[dict]:
         means = {
             key: float(np.mean([p[key] for p in ps]))
             for key, value in ps[0].items()
-            if isinstance(value, float) and key not in ("startup_s",) and all(p[key] is not None for p in ps)
+            if isinstance(value, float)
+            and key not in ("startup_s", "temperature")
+            and all(p[key] is not None for p in ps)
         }
         speedup = (math.nan,) * 3
         if (group, c) in baseline:
@@ -406,6 +408,7 @@ def throughput_rows(passes: list[dict]) -> list[dict]:
                 "method": method,
                 "k": k,
                 "concurrency": c,
+                "temperature": ps[0].get("temperature", 0.0),  # (the served requests', eval.vllm.served_temperature)
                 "passes": len(ps),
                 "requests": sum(p["requests"] for p in ps),
                 "output_tokens": sum(p["output_tokens"] for p in ps),

@@ -127,6 +127,12 @@ def plot_acceptance(run_dir: Path, title: str) -> Path:
     return out
 
 
+def decoding(rows: list[dict]) -> str:
+    """How the timed requests decoded: "greedy", or "sampled at t = 0.7" (throughput.csv's `temperature`)."""
+    t = float(rows[0].get("temperature") or 0)
+    return f"sampled at t = {t:g}" if t > 0 else "greedy"
+
+
 def plot_speedup(run_dir: Path, title: str) -> Path:
     """speedup.png: vLLM output throughput with and without the drafter per concurrency, and the ratio."""
     run_dir = Path(run_dir)
@@ -168,7 +174,7 @@ def plot_speedup(run_dir: Path, title: str) -> Path:
     ax2.legend(frameon=False, fontsize=8)
     ax2.grid(alpha=0.3)
     passes = int(rows[0].get("passes") or 1)
-    fig.suptitle(f"{title} — vLLM served, greedy; 95% interval over {passes} passes a side", fontsize=10)
+    fig.suptitle(f"{title} — vLLM served, {decoding(rows)}; 95% interval over {passes} passes a side", fontsize=10)
     out = run_dir / "speedup.png"
     fig.savefig(out, dpi=120)
     plt.close(fig)
@@ -329,5 +335,5 @@ def plot_long_context_speed(suite_dir: Path, title: str) -> Path:
     ax1.set(ylabel="speedup vs no speculation (×)", title="decode speedup by context length")
     ax2.set(ylabel="TPOT p50 (ms)", title="time per output token")
     passes = int(rows[0].get("passes") or 1)
-    fig.suptitle(f"{title} — vLLM served, greedy; 95% interval over {passes} passes a side", fontsize=10)
+    fig.suptitle(f"{title} — vLLM served, {decoding(rows)}; 95% interval over {passes} passes a side", fontsize=10)
     return save_figure(fig, suite_dir / "long_context_speed.png")
