@@ -168,6 +168,7 @@ def test_suites_are_config_group_entries(tmp_path):
         ("eval.suites.drift.num_prompts=0", "eval.suites.drift.num_prompts must be > 0"),
         ("data.val_prompts=-1", r"data.val_prompts must be >= 0"),
         ("eval.vllm.concurrencies=[0]", "eval.vllm.concurrencies must hold values >= 1"),
+        ("eval.vllm.served_temperature=-0.5", "eval.vllm.served_temperature must be >= 0"),
         ("drafter.aux_layer_ids=[15,2,27]", r"must be sorted and unique .*; use \[2, 15, 27\]"),
         ("drafter.aux_layer_ids=[]", "drafter.aux_layer_ids is empty"),
         ("drafter.aux_layer_ids=[0,2]", "ids must be in 1..L-1"),

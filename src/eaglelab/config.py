@@ -332,9 +332,9 @@ class VllmEvalConfig:
     concurrencies: list[int] = field(default_factory=lambda: [1, 4, 16])
     waves: int = 1
     repeats: int = 3
-    # The temperature every served request decodes at (one service, one temperature; above 0 the server samples,
-    # each request seeded, and the drafter's tokens pass speculative sampling's rejection test), so the speedup is
-    # the one a deployment at that temperature sees. Acceptance at several temperatures: eval.temperature.
+    # The temperature every served request decodes at (one service, one temperature; above 0 the server samples and
+    # the drafter's tokens pass speculative sampling's rejection test), so the speedup is the one a deployment at
+    # that temperature sees. Acceptance at several temperatures: eval.temperature.
     served_temperature: float = 0.0
     enforce_eager: bool | None = None  # None: eager on CPU (compiling takes minutes), graphs on GPU
     # Parity that isolates the drafter: the simulated evaluator also drafts along vLLM's own greedy outputs, their
