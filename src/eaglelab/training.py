@@ -26,7 +26,7 @@ from eaglelab import preemption
 from eaglelab.acceptance import AcceptanceCounts
 from eaglelab.batches import Batch, HybridStates, OnlineStates, acceptance_counts, shift
 from eaglelab.config import TrainConfig
-from eaglelab.draft_loss import draft_head_loss
+from eaglelab.draft_loss import draft_head_loss, keeps_teacher, teacher_log_probs
 from eaglelab.drafter import Eagle3Config, Eagle3Drafter
 from eaglelab.errors import TrainingError
 from eaglelab.io import atomic_file
@@ -431,6 +431,10 @@ class DrafterModule(L.LightningModule):
         d = self.drafter
         outs = outs or d.unroll(batch.aux, batch.input_ids, steps, first=batch.first)
         target_to_draft = torch.cumsum(d.t2d.long(), 0) - 1  # target id -> draft index (if in vocab)
+        B, T = batch.input_ids.shape
+        teacher = None  # KL: the teacher's log-probabilities at every position [B·T, V_d], where small enough to keep
+        if self.train_cfg.loss == "kl" and keeps_teacher(B * T, d.lm_head.weight.shape[0]):
+            teacher = teacher_log_probs(batch.final.flatten(0, 1), self.teacher_head())
         total, losses, correct, counted = 0.0, [], [], []
         for j, out in enumerate(outs, start=1):
             # Only drafts an engine makes: from t >= P-1, inside the sequence. Their indices once per step (the one
@@ -442,11 +446,13 @@ class DrafterModule(L.LightningModule):
                 index = target_to_draft[label].masked_fill(~d.t2d[label], -1)
                 summed, draft = draft_head_loss(out.normed[valid], d.lm_head.weight, index=index)
                 count = d.t2d[label].sum()
-            else:
-                teacher = shift(batch.final, j)[valid]  # target's post-norm state at t+j: its next-token distribution
-                summed, draft = draft_head_loss(
-                    out.normed[valid], d.lm_head.weight, teacher_states=teacher, teacher_head=self.teacher_head()
-                )
+            else:  # KL against the target's next-token distribution at t+j
+                if teacher is not None:
+                    rows = valid[0] * T + valid[1] + j  # (its rows in the kept log-probabilities)
+                    kl = dict(teacher=teacher, teacher_rows=rows)
+                else:  # (from the target's post-norm state at t+j)
+                    kl = dict(teacher_states=shift(batch.final, j)[valid], teacher_head=self.teacher_head())
+                summed, draft = draft_head_loss(out.normed[valid], d.lm_head.weight, **kl)
                 count = torch.tensor(float(len(label)), device=label.device)
             loss_j = summed / per_process_mean(count).clamp(min=1)
             hit = d.to_target_ids(draft) == label
