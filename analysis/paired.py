@@ -1,6 +1,7 @@
 """Paired comparisons: each variant against a reference variant on the same held-out prompts and the same seeds.
 
     python analysis/paired.py results/ [more roots] [--reference eagle3] [--out DIR] [--resamples 2000]
+    python analysis/paired.py results/multirun/tpb --reference tokens_per_batch=None   # a setting, within variants
 
 Two drafters scored on the same prompts differ far less than their seed means suggest: most of the spread of τ is
 which prompts are easy, and both drafters see the same ones. So every measure is compared per prompt and seed
@@ -199,15 +200,24 @@ def prompts_for(mde: float, wanted: float, prompts: int) -> float:
 
 
 def twins(runs: list[Run], reference: str) -> list[tuple[str, list[Run], str, list[Run]]]:
-    """(setup, its runs, reference setup, its runs) for every non-reference setup whose twin — the same label with
-    the reference variant — exists."""
+    """(setup, its runs, reference setup, its runs) for every non-reference setup whose twin exists: the same label
+    with the reference variant, or (`reference` a setting as setup labels write it, `tokens_per_batch=None`) the same
+    label with that setting instead of its own (a recipe change paired within each variant)."""
     groups = setups(runs)
+    key = reference.split("=")[0] + "=" if "=" in reference else None
     out = []
     for label, members in groups.items():
-        variant = members[0].variant
-        if variant == reference:
-            continue
-        ref_label = reference + label.removeprefix(variant)
+        if key is None:
+            variant = members[0].variant
+            if variant == reference:
+                continue
+            ref_label = reference + label.removeprefix(variant)
+        else:
+            words = label.split(" ")
+            mine = [w for w in words if w.startswith(key)]
+            if not mine or mine[0] == reference:
+                continue
+            ref_label = " ".join(reference if w == mine[0] else w for w in words)
         if ref_label in groups:
             out.append((label, members, ref_label, groups[ref_label]))
     return out
@@ -425,7 +435,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("roots", nargs="+", type=Path, help="results directories or run directories")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
-    ap.add_argument("--reference", default="eagle3", help="the variant every other one is paired with")
+    ap.add_argument(
+        "--reference",
+        default="eagle3",
+        help="the variant every other one is paired with, or a setting as the setup labels write it "
+        "(tokens_per_batch=None): each setup paired with its twin at that setting",
+    )
     ap.add_argument("--resamples", type=int, default=2000)
     args = ap.parse_args(argv)
     runs = load_or_exit(args.roots)

@@ -247,6 +247,13 @@ def _by_value(text: str) -> tuple:
         return (1, 0.0, text)
 
 
+def batch_of(config: dict) -> str:
+    """A run's batch as the text quotes it: its token budget per process (train.tokens_per_batch), or where it had
+    none (or its config predates the key) its sequences per process."""
+    budget = config.get("train.tokens_per_batch")
+    return f"{budget:,} tokens" if budget else f"{config.get('train.batch_size')} sequences"
+
+
 def numbers(runs: list[Run], rows: list[dict], skipped: int, duplicates: int, paired: list[dict] = ()) -> str:
     """numbers.tex: \\val{setup or variant}{name} for every number the text quotes, \\val{store}{name} for the
     setup, \\val{scaling}{name} for the data-scaling study. An unknown key prints a bold ?? (and the build still
@@ -269,7 +276,7 @@ def numbers(runs: list[Run], rows: list[dict], skipped: int, duplicates: int, pa
         "lr": one("train.lr"),
         "stepdecay": one("train.step_decay"),
         "stepweights": step_weights(runs),
-        "batch": one("train.batch_size"),
+        "batch": listed(batch_of(r.config) for r in runs),
         "loss": one("train.loss"),
         "prompts": one("data.num_prompts"),
         "draftvocab": one("drafter.draft_vocab_size"),

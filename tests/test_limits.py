@@ -183,6 +183,33 @@ def test_the_training_estimate_counts_what_autograd_keeps(T, checkpointing):
     assert abs(sum(saved.values()) - expected) < 0.02 * expected, (sum(saved.values()), expected)
 
 
+def test_a_token_budget_is_sized_as_the_rows_of_the_longest_sequences_it_spans(tmp_path):
+    """train.tokens_per_batch=N: the training estimate is that of ceil(N / T) rows of the longest sequence T (a
+    batch keeps rows × its longest within N), one row where N < T; not train.batch_size's, which a budget ignores."""
+    from dataclasses import replace
+
+    from transformers import LlamaConfig
+
+    from eaglelab.drafter import DrafterFlags, Eagle3Config
+    from eaglelab.limits import PromptSet, TargetShape, batch_rows, train_bytes
+
+    shape = LlamaConfig(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=64)  # fmt: skip
+    d = Eagle3Config.for_target(DrafterFlags(), shape, aux_layer_ids=[2, 4, 5], draft_vocab_size=1024, max_context=512)
+    t = TargetShape(layers=8, hidden=128, heads=2, kv_heads=1, head_dim=64, intermediate=256, vocab=4096,
+                    dtype_bytes=4, max_context=512)  # fmt: skip
+    data = PromptSet("train", batch=4, prompt=100, sequence=300, response=200, bound="up to 300", trained_on=50)
+    cfg = compose(["experiment=smoke", "train.batch_size=2"], tmp_path, tmp_path / "run")
+    cpu = torch.device("cpu")
+
+    def estimate(**train):
+        return train_bytes(replace(cfg, train=replace(cfg.train, **train)), t, d, data, 1.0, cpu)
+
+    assert batch_rows(replace(cfg.train, tokens_per_batch=1000), data) == 4  # 3 rows of 300 fit, 4 are spanned
+    assert estimate(tokens_per_batch=1000) == estimate(batch_size=4) > estimate(batch_size=2)
+    assert estimate(tokens_per_batch=200) == estimate(batch_size=1)  # a longer sequence is a batch of its own
+
+
 @pytest.mark.parametrize(
     "flags,level_off",
     [

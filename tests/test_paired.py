@@ -87,6 +87,30 @@ def test_prompts_for_a_power_line_scale_as_its_square():
     assert np.isnan(prompts_for(0.0, 0.1, 40)) and np.isnan(prompts_for(0.1, 0.0, 40))
 
 
+def test_a_setting_as_the_reference_pairs_each_variant_with_its_own_twin():
+    """--reference tokens_per_batch=None: a recipe change paired within each variant (EAGLE-3.1 with EAGLE-3.1,
+    EAGLE-3 with EAGLE-3), never across; the reference setting's own setups are not rows."""
+    rng = np.random.default_rng(4)
+    prompts = [f"p{i}" for i in range(40)]
+    runs = []
+    for seed in range(3):
+        base = rng.integers(2, 8, size=40)
+        for variant, gain in (("eagle3.1", 2), ("eagle3", 0)):  # the budget helps EAGLE-3.1 only
+            for setting, accepted in (("None", base), ("1024", base + gain)):
+                r = run(variant, seed, accepted + (variant == "eagle3.1"), prompts)  # (10 drafts: at most 10)
+                r.setup = f"{variant} tokens_per_batch={setting}"
+                runs.append(r)
+    rows = paired_rows(runs, "tokens_per_batch=None", count=1000)
+    pairs = {(r["setup"], r["reference"]) for r in rows}
+    assert pairs == {
+        ("eagle3.1 tokens_per_batch=1024", "eagle3.1 tokens_per_batch=None"),
+        ("eagle3 tokens_per_batch=1024", "eagle3 tokens_per_batch=None"),
+    }
+    tau1 = {r["setup"].split()[0]: r for r in rows if (r["measure"], r["at"]) == ("tau", 1)}
+    assert tau1["eagle3.1"]["resolved"] and tau1["eagle3.1"]["difference"] == pytest.approx(0.2)
+    assert tau1["eagle3"]["difference"] == 0 and not tau1["eagle3"]["resolved"]
+
+
 def test_each_suite_condition_is_paired_on_its_own_prompts():
     """Two suite conditions in suites/per_prompt*.csv: in "long_context/512" EAGLE-3.1 accepts 2 more drafts of 10 at
     every prompt, in "templates/native" the same counts; each scope is paired on its own and only the first is

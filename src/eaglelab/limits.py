@@ -27,7 +27,8 @@ weights while they are not loaded yet (`Target.weights_bytes`: they load when th
                 and 8192 tokens (`prepare._batches`): one layer's activations, the aux states the hooks keep, the
                 logits of the labelled positions;
     train       the drafter, its gradients and AdamW's two moments, and what autograd keeps for one batch of
-                train.batch_size sequences over train.ttt_steps draft steps (`ttt_kept_bytes`) plus what the
+                train.batch_size sequences (under train.tokens_per_batch, as many of the longest as the budget
+                spans: `batch_rows`) over train.ttt_steps draft steps (`ttt_kept_bytes`) plus what the
                 unroll holds besides (`unroll_alive_bytes`); with online or hybrid features the target's forward
                 over that batch; validation unrolls 2·ttt_steps steps without gradients; on a CPU with 16-bit
                 matmul kernels, what oneDNN keeps per matmul shape (`kernel_cache_bytes`);
@@ -54,7 +55,7 @@ import torch
 
 from eaglelab.config import RunConfig, check_depths_and_lengths, max_k, resolve_capture_backend
 from eaglelab.devices import cpu_bf16_kernels
-from eaglelab.draft_loss import chunk_rows, chunks_cost_more
+from eaglelab.draft_loss import chunk_rows, chunks_cost_more, keeps_teacher
 from eaglelab.drafter import Attention, Eagle3Config
 from eaglelab.errors import ConfigError, DiskFull, ResourceError
 from eaglelab.targets import Target, free_memory, proc_bytes
@@ -335,10 +336,15 @@ def estimate_memory(cfg: RunConfig, target: Target, drafter: Eagle3Config, sets:
         )
     train = next((s for s in sets if s.name == "train"), None) if cfg.stage == "all" else None
     if train is not None:
+        batching = (
+            f"train.tokens_per_batch={cfg.train.tokens_per_batch} ({batch_rows(cfg.train, train)} rows)"
+            if cfg.train.tokens_per_batch
+            else f"train.batch_size={cfg.train.batch_size}"
+        )
         stages["train"] = StageCost(
             int(train_bytes(cfg, t, drafter, train, slack, device)) + (weights if cfg.features.kind != "cached" else 0),
-            f"train.batch_size={cfg.train.batch_size} × {train.bound} × train.ttt_steps={cfg.train.ttt_steps}",
-            "train.batch_size, data.max_length or train.ttt_steps",
+            f"{batching} × {train.bound} × train.ttt_steps={cfg.train.ttt_steps}",
+            f"{batching.split('=')[0]}, data.max_length or train.ttt_steps",
         )
     if sets and cfg.stage == "all":  # on the training device, as training (the pipeline moves the drafter there)
         stages["evaluate"] = evaluation_cost(cfg, t, drafter, sets, slack)
@@ -478,7 +484,7 @@ def unroll_alive_bytes(
     largest transient: the fused kernel's padded inputs and output over T + 1 rows, or the logits over the draft
     vocabulary: the loss's chunk of rows (`draft_loss.chunk_rows`, its buffers below) or, with few labels, all of a
     step's `rows` at once (the plain expression), or validation's drafts at a step's `rows` labelled positions (16
-    bits each).
+    bits each); and KL's teacher log-probabilities at every position where they are kept (`draft_loss.keeps_teacher`).
     `probed` (the drift suite): the explicit softmax instead, one query block's score chain at a time (scores,
     masked, concatenated) with the context's keys and values repeated to every head."""
     H, h, B, T = d.hidden_size, d.num_attention_heads, batch, length
@@ -498,7 +504,8 @@ def unroll_alive_bytes(
     logits = max(rows * V * lowp, min(rows, chunk_rows(V, H)) * V * chunk)
     if chunks_cost_more(rows, V, H, kl=False):  # (few labels: the loss's plain expression, all rows at once)
         logits = max(logits, rows * V * (lowp + 4 + 4))
-    return outs + caches + max(attention, logits)
+    teacher = 4 * B * T * V if kl and keeps_teacher(B * T, V) else 0  # KL's log-probabilities, kept for every step
+    return outs + caches + teacher + max(attention, logits)
 
 
 def train_bytes(
@@ -515,7 +522,7 @@ def train_bytes(
     teacher = d.draft_vocab_size * d.target_hidden_size * 4 if train.loss == "kl" else 0  # KL's head rows
     drafter = trainable * p + d.vocab_size * d.hidden_size * embed + teacher
     optimizer = trainable * p * 4 + (trainable * lowp if lowp < p else 0)  # + autocast's 16-bit weight copies
-    B, T, S, response = train.batch_size, data.sequence, train.ttt_steps, data.response
+    B, T, S, response = batch_rows(train, data), data.sequence, train.ttt_steps, data.response
     kl = train.loss == "kl"
     inputs = B * T * (len(d.aux_layer_ids) + kl) * d.target_hidden_size * 6  # the stored 16 bits, then float32
     rows = B * response  # labelled positions: the responses'
@@ -525,6 +532,15 @@ def train_bytes(
     online = capture_bytes(t, len(d.aux_layer_ids), B * T, rows) if cfg.features.kind != "cached" else 0
     kernels = kernel_cache_bytes(cfg, d, data) if device.type == "cpu" else 0
     return drafter + optimizer + slack * (inputs + online + max(step, validation)) + kernels
+
+
+def batch_rows(train, data: PromptSet) -> int:
+    """Rows of the longest sequences a training batch holds: train.batch_size, or under a token budget as many as it
+    spans, rounded up (`training.EpochBatches` keeps rows × the longest within it, so a batch of shorter sequences
+    holds no more positions; a sequence longer than the budget is a batch of its own)."""
+    if train.tokens_per_batch:
+        return max(1, -(-train.tokens_per_batch // data.sequence))
+    return train.batch_size
 
 
 def kernel_cache_bytes(cfg: RunConfig, d: Eagle3Config, data: PromptSet) -> int:
