@@ -53,7 +53,7 @@ def keeps_teacher(positions: int, draft_vocab_size: int) -> bool:
 def teacher_log_probs(states: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
     """states [M, H_t] (the target's post-norm states), head [V_d, H_t] -> log softmax(states · headᵀ) [M, V_d]
     float32: the logits in the autocast dtype where one is active, as each chunk would compute them."""
-    return F.log_softmax((states.to(head.dtype) @ head.T).float(), dim=-1)
+    return F.log_softmax(states.to(head.dtype) @ head.T, dim=-1, dtype=torch.float32)  # (cast inside: no copy)
 
 
 class _DraftHeadLoss(torch.autograd.Function):
@@ -76,14 +76,13 @@ class _DraftHeadLoss(torch.autograd.Function):
             logits = F.linear(hidden[part], weight)  # [n, V_d], in the autocast dtype where one is active
             if index is not None:
                 summed, g = _ce_rows(logits, index[part], drafts[part], need_hidden or need_weight)
-            elif kept is not None:  # the teacher's log-probabilities: a = log y, e = y, s_t = 1
-                a = kept.index_select(0, kept_rows[part])  # [n, V_d] float32
-                summed, g = _kl_rows(logits, a, a.exp(), None, drafts[part], need_hidden or need_weight)
-            else:
-                a = (teacher_states[part].to(teacher_head.dtype) @ teacher_head.T).float()  # [n, V_d]
-                a -= a.amax(-1, keepdim=True)
-                e = a.exp()
-                summed, g = _kl_rows(logits, a, e, e.sum(-1), drafts[part], need_hidden or need_weight)
+            else:  # the teacher's log-probabilities [n, V_d] float32: kept, or from the target's states
+                log_y = (
+                    kept.index_select(0, kept_rows[part])
+                    if kept is not None
+                    else teacher_log_probs(teacher_states[part], teacher_head)
+                )
+                summed, g = _kl_rows(logits, log_y, drafts[part], need_hidden or need_weight)
             total += summed
             if g is None:
                 continue
@@ -135,23 +134,23 @@ def _ce_rows(logits, index, drafts, gradient):
     return summed, z.scatter_add_(-1, label, -w)  # w·(q - onehot(label))
 
 
-def _kl_rows(logits, a, e, s_t, drafts, gradient):
-    """Forward KL(y ‖ q) over some rows, y = softmax(a) -> (Σ_r Σ_v y·(log y - log q) [], ∂loss/∂z = q - y [n, V_d]
-    float32, or None without `gradient`). Writes each row's draft into `drafts` [n]. a: the teacher's logits less
-    their maxima, e = exp(a), s_t = Σ_v e [n] (None: a is already log y, so e = y and s_t = 1), float32 buffers worked
-    in place. With b the drafter's logits less their maxima and s = Σ_v exp(b):
-    Σ_v y·(log y - log q) = Σ_v e·(a - b) / s_t - log s_t + log s (row dots, no [n, V_d] product kept)."""
+def _kl_rows(logits, log_y, drafts, gradient):
+    """Forward KL(y ‖ q) over some rows -> (Σ_r Σ_v y·(log y - log q) [], ∂loss/∂z = q - y [n, V_d] float32, or
+    None without `gradient`). Writes each row's draft into `drafts` [n]. log_y: the teacher's log-probabilities
+    [n, V_d] float32, a buffer worked in place. With b the drafter's logits less their maxima and s = Σ_v exp(b),
+    log q = b - log s, so Σ_v y·(log y - log q) = Σ_v y·(log y - b) + log s (a row dot, no [n, V_d] product kept)."""
+    y = log_y.exp()  # [n, V_d]
     z = logits.float()  # [n, V_d]
     m, top = z.max(-1, keepdim=True)  # (the first of equal maxima, as argmax)
     drafts.copy_(top[:, 0])
     z -= m  # b
-    cross = torch.linalg.vecdot(e, a.sub_(z))  # [n]: Σ_v e·(a - b)
+    with torch.autocast(y.device.type, enabled=False):  # (autocast would take the row dot to 16 bits)
+        cross = torch.linalg.vecdot(y, log_y.sub_(z))  # [n]: Σ_v y·(log y - b), float32
     z.exp_()
     s = z.sum(-1, keepdim=True)  # [n, 1]
-    summed = (cross + s[:, 0].log() if s_t is None else cross / s_t - s_t.log() + s[:, 0].log()).sum()
+    summed = (cross + s[:, 0].log()).sum()
     if not gradient:
         return summed, None
-    y = e if s_t is None else e.mul_(s_t.reciprocal()[:, None])
     return summed, z.mul_(s.reciprocal()).sub_(y)  # q - y
 
 

@@ -499,7 +499,7 @@ def unroll_alive_bytes(
         attention += 4 * (T + 1) ** 2 if d.attention_window is not None else 0  # the window's mask, float32
     V = d.draft_vocab_size
     # a chunk: 16 bits out of lm_head, its float32 buffer, the gradient cast back (KL: the teacher's logits, and its
-    # shifted logits and their exponentials in float32)
+    # log-probabilities and their exponentials in float32)
     chunk = (2 * lowp + 4) + (lowp + 8 if kl else 0)
     logits = max(rows * V * lowp, min(rows, chunk_rows(V, H)) * V * chunk)
     if chunks_cost_more(rows, V, H, kl=False):  # (few labels: the loss's plain expression, all rows at once)
