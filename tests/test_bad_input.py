@@ -59,6 +59,8 @@ def bad_files(cache_dir, tmp_path_factory) -> Path:
         (["drafter.norm_before_fc=true"], "mutually exclusive"),
         (["train.ttt_steps=0"], "train.ttt_steps must be > 0"),
         (["train.lr=0"], "train.lr must be > 0"),
+        (["train.tokens_per_batch=0"], "train.tokens_per_batch must be > 0"),
+        (["data.tensor_parallel_size=3"], "data.tensor_parallel_size=3 and data.pipeline_parallel_size=1 place vLLM"),
         (["train.batch_size=-1"], "train.batch_size must be > 0"),
         (["data.num_prompts=0"], "data.num_prompts must be > 0"),
         (["drafter.draft_vocab_size=0"], "drafter.draft_vocab_size must be > 0"),

@@ -296,7 +296,11 @@ def test_vllm_engine_killed_or_timed_out_fails_the_run_keeps_training_and_the_re
         proc,
     )
     victim.send_signal(signal.SIGKILL)
-    _, stderr = proc.communicate(timeout=300)
+    stdout, stderr = proc.communicate(timeout=300)
+    # The console of a run that trained: eaglelab's own lines, not Lightning's (they are in run.log)
+    for noise in ("INFO: ", "GPU available", "litlogger", "`srun` command", "LeafSpec"):
+        assert noise not in stdout + stderr, noise
+    assert "GPU available" in (run_dir / "run.log").read_text()
 
     def failed_keeping_training(line: str, attempt: int) -> None:
         assert f"checkpoint={run_dir}" in line, line
@@ -317,6 +321,12 @@ def test_vllm_engine_killed_or_timed_out_fails_the_run_keeps_training_and_the_re
     assert done.returncode == 0, done.stderr[-2000:]
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert "vllm/acceptance_length@k3" in metrics and metrics["train/steps"] == steps  # not trained again
+    # It ends by saying what it found (eaglelab.summary), then where: τ at the trained depth from both evaluators, and
+    # how to serve the drafter where this CPU run did not
+    tau, tau_vllm = metrics["acceptance_length@k3"], metrics["vllm/acceptance_length@k3"]
+    assert f"τ@3 (the trained depth): simulated {tau:.3f}, vLLM {tau_vllm:.3f}" in done.stdout, done.stdout
+    assert f"serve it: python src/run.py checkpoint={run_dir} eval.vllm.throughput_ks=[3]" in done.stdout
+    assert done.stdout.rstrip().splitlines()[-1] == f"run_dir: {run_dir}"
     assert json.loads((run_dir / "run.json").read_text())["attempt"] == 3
 
 

@@ -75,6 +75,29 @@ def test_smoke_run_writes_the_documented_layout(smoke_runs):
     assert exported["fc_norm"] is True and exported["norm_output"] is True
 
 
+def test_a_run_ends_by_saying_what_it_found(smoke_runs):
+    """The summary src/run.py prints last (eaglelab.summary) quotes the run's own results: τ at the trained depth and
+    the deepest one, the drift headline from the drift table, and the figures that exist."""
+    from eaglelab.summary import has_results, run_summary
+
+    run_dir = smoke_runs.a
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    lines = run_summary(run_dir)
+    text = "\n".join(lines)
+    assert lines[0].startswith("summary: eagle3.1 (seed 0) on ") and f"{int(metrics['train/steps'])} steps" in lines[0]
+    assert f"τ@3 (the trained depth): simulated {metrics['acceptance_length@k3']:.3f}\n" in text
+    assert f"τ@8 (deepest measured): simulated {metrics['acceptance_length@k8']:.3f}\n" in text
+    assert "  vLLM: not run (eval.vllm.enabled=false, or not installed)" in lines  # (the smoke experiment's setting)
+    drift = next(line for line in lines if line.startswith("  drift: "))
+    first, deepest = metrics["drift/context_share@d1"], metrics["drift/context_share@d8"]
+    assert f"{first:.2f} at depth 1 -> {deepest:.2f} at depth 8" in drift
+    assert "served speedup" not in text  # no vLLM in this run: nothing to serve, nothing to hint
+    figures = next(line for line in lines if line.startswith("  figures: "))
+    for name in ("acceptance.png", "suites/drift.png", "suites/extrapolation.png"):
+        assert name in figures and (run_dir / name).is_file()
+    assert has_results(run_dir)
+
+
 def test_the_drift_suite_agrees_with_its_independent_check_on_a_trained_run(smoke_runs, capsys):
     """analysis/drift_check.py recomputes every drift measure of a trained run from its exported drafter, the
     target's embedding and the suite's own sequences (drift_inputs.json); and refuses a table that was altered."""

@@ -58,6 +58,7 @@ RANK = {
     "eaglelab.spread": 5,  # the evaluation's engine jobs dealt to a trial's ranks
     # 6: results (W&B)
     "eaglelab.tracking": 6,
+    "eaglelab.summary": 6,  # what a run found, read from its results: the lines a run and a sweep end with
     # 7: the loop and the sweeps that run it
     "eaglelab.pipeline": 7,
     "eaglelab.sweeps": 7,

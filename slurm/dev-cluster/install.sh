@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Debian packages of a throw-away Slurm (+ slurmdbd/MariaDB for accounting: without it a cancelled job
-# leaves submitit waiting forever). Idempotent; needs root and the Debian archive. WITH_DBD=0: no accounting.
+# leaves submitit waiting forever). Idempotent; needs root and the Debian archive. WITH_DBD=0: no accounting;
+# EXTRA_PACKAGES: more Debian packages to install in the same apt-get.
 set -euo pipefail
 WITH_DBD=${WITH_DBD:-1}
 PKGS="munge slurmctld slurmd slurm-client iproute2"  # (iproute2: start.sh NODES=K, network namespaces)
 [ "$WITH_DBD" = 1 ] && PKGS="$PKGS slurmdbd mariadb-server"
+PKGS="$PKGS ${EXTRA_PACKAGES:-}"  # (scripts/setup.sh: the tests' other Debian packages, in the same apt-get)
 missing=""
 for p in $PKGS; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || missing="$missing $p"; done
 [ -z "$missing" ] && exit 0

@@ -288,7 +288,7 @@ class TrainConfig:
             ttt_steps=self.ttt_steps,
             lr=self.lr,
             batch_size=self.batch_size,
-            tokens_per_batch=self.tokens_per_batch or 1,
+            tokens_per_batch=self.tokens_per_batch,  # (null: batches of batch_size)
             accumulate_grad_batches=self.accumulate_grad_batches,
             epochs=self.epochs,
             checkpoint_every_n_steps=self.checkpoint_every_n_steps,
@@ -326,7 +326,7 @@ class VllmEvalConfig:
     # k here is a cross-check and costs ~15 s each on a CPU); every_k=true: the full sweep k = 1..max_k
     ks: list[int] | None = None
     every_k: bool = False
-    throughput_ks: list[int] | None = None  # None: [ttt_steps]
+    throughput_ks: list[int] | None = None  # None: [ttt_steps] on a GPU, [] on a CPU (eaglelab.evaluate.served_ks)
     # Decode speed, served (eaglelab.serving: vLLM's OpenAI server and its serving benchmark): at each concurrency c,
     # `repeats` timed passes of `waves` x c held-out requests, at most c in flight; the speedup's interval is over
     # the passes. Time grows with waves x repeats x the sum of concurrencies (on the 2-core box, where a served

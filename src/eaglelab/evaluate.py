@@ -22,7 +22,7 @@ from eaglelab.errors import EaglelabError
 from eaglelab.io import write_csv
 from eaglelab.plots import plot_speedup
 from eaglelab.targets import LOGITS_CHUNK, target_head
-from eaglelab.vllm_engine import INSTALL_HINT, vllm_available
+from eaglelab.vllm_engine import INSTALL_HINT, cuda_available, vllm_available
 
 log = logging.getLogger("eaglelab")
 
@@ -145,6 +145,16 @@ def vllm_wanted(cfg: RunConfig) -> bool:
     return True
 
 
+def served_ks(cfg: RunConfig) -> list[int]:
+    """The depths whose decode speed vLLM's OpenAI server times (`eval.vllm.throughput_ks`). Unset: the trained depth
+    where the engine has a GPU, none on a CPU: there the timed passes share a few cores with everything else, and the
+    speedup's 95% interval at the defaults (README, "Served speed on a CPU") is too wide to resolve what a drafter
+    changes; `python src/run.py checkpoint=RUN eval.vllm.throughput_ks=[K]` serves it there on purpose."""
+    if cfg.eval.vllm.throughput_ks is not None:
+        return cfg.eval.vllm.throughput_ks
+    return [cfg.train.ttt_steps] if cuda_available() else []
+
+
 def held_out_job(cfg: RunConfig, run_dir: Path, drafter: Eagle3Drafter, serving: Serving, features) -> dict:
     """The held-out set's engine job with the run's settings, on its exported drafter (run whole in one process, or
     spread over a trial's ranks: eaglelab.spread)."""
@@ -155,7 +165,7 @@ def held_out_job(cfg: RunConfig, run_dir: Path, drafter: Eagle3Drafter, serving:
         serving.path,
         features,
         ks=vllm_ks(cfg),
-        throughput_ks=[cfg.train.ttt_steps] if v.throughput_ks is None else v.throughput_ks,
+        throughput_ks=served_ks(cfg),
         concurrencies=v.concurrencies,
         num_prompts=v.num_prompts,
         waves=v.waves,

@@ -160,7 +160,8 @@ def plot_speedup(run_dir: Path, title: str) -> Path:
         xticks=[j + 0.4 - width / 2 for j in range(len(conc))],
         xticklabels=[str(c) for c in conc],
     )
-    ax1.legend(frameon=False, fontsize=8)
+    ax1.set_ylim(0, 1.3 * max(float(r["output_tokens_per_s"]) for r in rows))  # headroom: the legend above the bars
+    ax1.legend(frameon=False, fontsize=8, loc="upper left", ncols=2)
     ax1.grid(alpha=0.3, axis="y")
     ax2.axhline(1.0, color="grey", lw=1, ls="--")
     ax2.set(

@@ -15,6 +15,15 @@ from eaglelab.pipeline import run
 
 def main(config_file: str) -> None:
     logging.basicConfig(level=logging.INFO, format=f"[rank {os.environ.get('LOCAL_RANK')}] %(levelname)s %(message)s")
+    # Lightning's own console handler (added when `lightning` is imported) and its info lines, rank 0's to tell: this
+    # rank's console carries eaglelab's lines and Lightning's warnings only, once each
+    import lightning.pytorch  # noqa: F401  (imported now: `lightning` adds its handler on import)
+
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.setLevel(logging.WARNING)
+        logger.propagate = True
     preemption.install()
     with open(config_file, "rb") as f:
         cfg = pickle.load(f)

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -40,6 +41,9 @@ import torch.distributed as dist
 from eaglelab.errors import ConfigError, EaglelabError
 
 log = logging.getLogger("eaglelab")
+# Lightning's Slurm environment says "prepend your python command with `srun`" wherever srun is installed (a login
+# node, the dev cluster): eaglelab starts and finds its ranks itself (above), so the hint is wrong here.
+warnings.filterwarnings("ignore", message="The `srun` command is available")
 
 # Lightning strategies that start their processes inside `fit` by multiprocessing: they would start a second set
 # beside the ranks already running here.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,6 +36,8 @@ from eaglelab.training import (
 )
 
 log = logging.getLogger("eaglelab")
+# Lightning 2.6 calls torch's deprecated pytree check on every fit (its own code, nothing a user can change).
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 
 
 def train_drafter(

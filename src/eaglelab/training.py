@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -31,6 +32,10 @@ from eaglelab.drafter import Eagle3Config, Eagle3Drafter
 from eaglelab.errors import TrainingError
 from eaglelab.io import atomic_file
 from eaglelab.preemption import uninterruptible
+
+# Lightning suggests `sync_dist=True` for every epoch-level value a DDP run logs without it: the validation figures
+# below are logged after their counts were summed over the ranks (on_validation_epoch_end), so the hint is wrong here.
+warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\('val/")
 
 
 class EpochBatches(Sampler):

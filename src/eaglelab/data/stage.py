@@ -210,6 +210,13 @@ def capture_backend(cfg: RunConfig, regen: str) -> str:
     if cfg.data.capture_backend == "vllm":
         require_vllm()
     backend = resolve_capture_backend(cfg.data.capture_backend, regen, torch.cuda.is_available())
+    tp, pp = cfg.data.tensor_parallel_size, cfg.data.pipeline_parallel_size
+    if tp * pp > 1 and regen == backend == "hf":  # the settings place vLLM's engines: none runs here
+        raise ConfigError(
+            f"data.tensor_parallel_size={tp} and data.pipeline_parallel_size={pp} place vLLM's data engine, but this "
+            f"run regenerates and captures in HF (data.regen_backend={cfg.data.regen_backend}); set "
+            "data.regen_backend=vllm, or leave both at 1"
+        )
     if backend == "vllm" and cfg.data.pipeline_parallel_size > 1:
         raise ConfigError(
             "data.pipeline_parallel_size > 1 with vLLM's capture is untried (its cache-only hidden-states layer lives "
