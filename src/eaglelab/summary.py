@@ -41,15 +41,20 @@ def _minutes(seconds: float | None) -> str:
     return f"{int(seconds // 60)} min {int(seconds % 60):02d} s" if seconds >= 60 else f"{seconds:.0f} s"
 
 
-def _speedups(metrics: dict, prefix: str = "vllm/") -> list[tuple[int, int, float, float | None, float | None]]:
+def _trained_depth(config: dict, record: dict) -> int:
+    """ttt_steps, from the run's config.yaml (run.json's where an older run has no config)."""
+    return int((config.get("train") or {}).get("ttt_steps") or record.get("ttt_steps") or 0)
+
+
+def _speedups(metrics: dict) -> list[tuple[int, int, float, float | None, float | None]]:
     """(k, c, speedup, 95% low, 95% high) of every served comparison in metrics.json, by concurrency."""
     out = []
     for key, value in metrics.items():
-        if key.startswith(f"{prefix}speedup@k"):
-            k, c = key.removeprefix(f"{prefix}speedup@k").split("@c")
+        if key.startswith("vllm/speedup@k"):
+            k, c = key.removeprefix("vllm/speedup@k").split("@c")
             at = f"k{k}@c{c}"
-            out.append((int(k), int(c), value, metrics.get(f"{prefix}speedup_ci_low@{at}"),
-                        metrics.get(f"{prefix}speedup_ci_high@{at}")))  # fmt: skip
+            out.append((int(k), int(c), value, metrics.get(f"vllm/speedup_ci_low@{at}"),
+                        metrics.get(f"vllm/speedup_ci_high@{at}")))  # fmt: skip
     return sorted(out, key=lambda r: (r[1], r[0]))
 
 
@@ -79,7 +84,7 @@ def run_summary(run_dir: Path) -> list[str]:
 
 def _run_summary(run_dir: Path) -> list[str]:
     metrics, record, config = _load(run_dir)
-    ttt = int((config.get("train") or {}).get("ttt_steps") or record.get("ttt_steps") or 0)
+    ttt = _trained_depth(config, record)
     target = Path(str(record.get("target_path") or (config.get("target") or {}).get("name") or "?")).name
     head = f"{record.get('variant', '?')} (seed {record.get('seed', '?')}) on {target}"
     if "train/steps" in metrics:
@@ -133,7 +138,7 @@ def sweep_summary(run_dirs: list[Path]) -> list[str]:
                 status = "no readable run.json"
             lines.append(f"  {run_dir.name}: not finished ({status})")
             continue
-        ttt = int((config.get("train") or {}).get("ttt_steps") or 0)
+        ttt = _trained_depth(config, record)
         sim, vllm = metrics.get(f"acceptance_length@k{ttt}"), metrics.get(f"vllm/acceptance_length@k{ttt}")
         line = f"  {run_dir.name}: {record.get('variant', '?')} seed {record.get('seed', '?')}, τ@{ttt}"
         line += f" simulated {sim:.3f}" if sim is not None else " simulated -"

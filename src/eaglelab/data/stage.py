@@ -217,7 +217,7 @@ def capture_backend(cfg: RunConfig, regen: str) -> str:
             f"run regenerates and captures in HF (data.regen_backend={cfg.data.regen_backend}); set "
             "data.regen_backend=vllm, or leave both at 1"
         )
-    if backend == "vllm" and cfg.data.pipeline_parallel_size > 1:
+    if backend == "vllm" and pp > 1:
         raise ConfigError(
             "data.pipeline_parallel_size > 1 with vLLM's capture is untried (its cache-only hidden-states layer lives "
             "on one pipeline stage); use data.tensor_parallel_size, or data.capture_backend=hf"
