@@ -125,7 +125,9 @@ def run_cli(args: list[str], cache_dir: Path, results_dir: Path, timeout: int = 
 @pytest.fixture(scope="session")
 def no_flock(tmp_path_factory) -> dict:
     """The environment of a process on a file system without flock: tests/no_flock.c, built here and LD_PRELOADed,
-    makes every flock() fail with ENOSYS (what Lustre without its `flock` mount option answers)."""
+    makes flock() fail with ENOSYS (what Lustre without its `flock` mount option answers): everywhere, or with
+    NO_FLOCK_UNDER=PATH in the environment too, under PATH only."""
     lib = tmp_path_factory.mktemp("no_flock") / "libnoflock.so"
-    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(lib), str(ROOT / "tests" / "no_flock.c")], check=True)
+    source = str(ROOT / "tests" / "no_flock.c")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-o", str(lib), source, "-ldl"], check=True)
     return {"LD_PRELOAD": str(lib)}

@@ -173,6 +173,8 @@ def test_suites_are_config_group_entries(tmp_path):
         ("drafter.aux_layer_ids=[]", "drafter.aux_layer_ids is empty"),
         ("drafter.aux_layer_ids=[0,2]", "ids must be in 1..L-1"),
         ("data.shard_size=0", "data.shard_size must be > 0"),
+        ("data.tail_for_ttt=-1", r"data.tail_for_ttt must be >= 0 \(a TTT length"),
+        ("train.prefetch_gb=0", "train.prefetch_gb must be > 0"),
         ("data.val_prompts=0", "train.keep=best chooses by validation τ .* or set train.keep=last"),
         ("data.self_chat.temperature=0", "data.self_chat needs temperature > 0"),
         ("train.freeze_lm_head=true drafter.init_lm_head_from_target=false", "would keep a random lm_head"),

@@ -500,3 +500,40 @@ def test_the_cache_key_streams_the_same_hash_json_would_write():
     assert cache_key(**parts) == whole
     assert cache_key(**{**parts, "prompts": [np.array(p, np.int32) for p in parts["prompts"]]}) == whole
     assert cache_key(**{**parts, "prompts": [[1, 2, 3], [5]]}) != whole
+
+
+def test_an_entry_that_keeps_more_serves_every_loss_and_ttt_length(tiny, tmp_path):
+    """One prepared entry for a sweep's widest trial (the KL teacher's final state, tails for the deepest TTT) serves
+    its CE and shorter-TTT trials: they prepare nothing and read the same sequences; an entry that keeps less is no
+    substitute for one that keeps more."""
+    prompts = mix_sources(["stdlib_docstrings"], 6, seed=5)
+    kw = dict(name="t", aux_layer_ids=[2, 4, 5], system_prompt=None, max_new_tokens=24, max_length=512, batch_size=3)
+    kw.update(cache_dir=tmp_path, shard_size=3)
+    widest, made = prepare_features(tiny, prompts, with_final=True, tail_tokens=16, **kw)
+    assert made.shards_regenerated == 2 and widest.keeps_final and widest.tokens.meta["tail_tokens"] == 16
+    for with_final, tail in ((False, 8), (True, 8), (False, 16)):
+        served, stats = prepare_features(tiny, prompts, with_final=with_final, tail_tokens=tail, **kw)
+        assert stats.shards_regenerated == stats.shards_captured == 0, (with_final, tail)
+        assert served.tokens.folder == widest.tokens.folder and served.states.folder == widest.states.folder
+    # the other way round: a KL trial after a CE-only entry captures the final state (no new regeneration), and a
+    # deeper TTT than the entry's tails regenerates
+    narrow_dir = tmp_path / "narrow"
+    narrow, _ = prepare_features(tiny, prompts, with_final=False, tail_tokens=8, **{**kw, "cache_dir": narrow_dir})
+    kl, stats = prepare_features(tiny, prompts, with_final=True, tail_tokens=8, **{**kw, "cache_dir": narrow_dir})
+    assert (stats.shards_regenerated, stats.shards_captured) == (0, 2) and kl.states.with_final
+    assert kl.tokens.folder == narrow.tokens.folder and kl.states.folder != narrow.states.folder
+    deeper, stats = prepare_features(tiny, prompts, with_final=False, tail_tokens=16, **{**kw, "cache_dir": narrow_dir})
+    assert stats.shards_regenerated == 2 and deeper.tokens.folder != narrow.tokens.folder
+    # the sequences a wider entry holds are the same: only the tail is longer
+    for i in range(len(narrow)):
+        assert narrow.tokens.input_ids(i).tolist() == widest.tokens.input_ids(i).tolist()
+        assert narrow.tokens.tail(i).tolist() == widest.tokens.tail(i)[: len(narrow.tokens.tail(i))].tolist()
+        assert torch.equal(narrow.item(i)["aux"], widest.item(i)["aux"])
+
+
+def test_cache_keys_hash_the_shared_parts_once_and_equal_cache_key():
+    from eaglelab.data.prepare import cache_key, cache_keys
+
+    parts = dict(v=5, source="a", prompts=[[1, 2, 3], [4]], target={"z": 1}, turns=[])
+    assert cache_keys("tail_tokens", [8, 16], **parts) == [cache_key(**parts, tail_tokens=t) for t in (8, 16)]
+    assert cache_keys("", [None], **parts) == [cache_key(**parts)]

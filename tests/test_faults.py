@@ -182,6 +182,31 @@ def test_ctrl_c_during_data_preparation_leaves_no_partial_cache_and_two_runs_the
     }
 
 
+def test_a_cache_without_flock_captures_in_vllm_through_node_local_scratch(no_flock, tmp_path):
+    """The cache on a file system that refuses flock (tests/no_flock.c with NO_FLOCK_UNDER: there only; the node's
+    own disk keeps it), the states captured by vLLM: its hidden-states connector writes and locks its per-request
+    files in paths.scratch_dir (TMPDIR), so the data stage completes and the shared file system holds only the
+    finished shards. paths.scratch_dir on that file system instead is one line naming the setting, before any
+    work: no cache entry, no metrics."""
+    shared, local = tmp_path / "shared", tmp_path / "local"
+    env = {**no_flock, "NO_FLOCK_UNDER": str(shared), "TMPDIR": str(local)}
+    args = [*SMOKE, "stage=prepare", "data.capture_backend=vllm", "eval.suites.extrapolation.enabled=false"]
+    bad = run_cli([*args, f"paths.scratch_dir={shared / 'scratch'}", f"hydra.run.dir={shared / 'bad'}"],
+                  shared / "cache", shared, env=env)  # fmt: skip
+    line = error_line(bad.returncode, bad.stderr)
+    assert "does not support flock (ENOSYS)" in line and "set paths.scratch_dir (or TMPDIR)" in line, line
+    assert not list(shared.rglob("complete.json")) and not list(shared.rglob("metrics.json"))
+    good = run_cli([*args, f"hydra.run.dir={shared / 'good'}"], shared / "cache", shared, env=env)
+    assert good.returncode == 0, good.stderr[-1500:]
+    metrics = json.loads((shared / "good" / "metrics.json").read_text())
+    assert metrics["data/shards_prepared"] > 0
+    features = [p.parent for p in (shared / "cache" / "features").glob("*/complete.json")]
+    assert len(features) == 2 and all(json.loads((f / "complete.json").read_text())["shard_bytes"] for f in features)
+    assert not list(shared.rglob("eaglelab-connector-*"))
+    assert not list((shared / "cache" / "logs").rglob("*.safetensors"))
+    assert not list(local.glob("eaglelab-connector-*/*"))  # each request's states read into its shard and removed
+
+
 # --- numerical failure ---------------------------------------------------------------------------------------------
 def test_atomic_writes_are_readable_by_the_team(tmp_path):
     from eaglelab.io import atomic_dir, atomic_file

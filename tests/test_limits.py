@@ -279,11 +279,34 @@ def test_a_cache_too_small_for_the_data_is_refused_before_regeneration(cache_dir
     shutil.copytree(tiny, small / "targets" / tiny.name)
     proc = run_cli(SMOKE, small, tmp_path / "results")
     line = error_line(proc.returncode, proc.stderr)
-    assert line.startswith("error: caching the train data needs up to ")
+    assert line.startswith("error: caching the train data needs at least ") and " and up to " in line
     assert f"but {small} has " in line and "free; free space under paths.cache_dir" in line
     assert "lower data.num_prompts or data.max_length, or use features=online (token ids only: " in line
     assert cache_entries(small) == set()
     assert_nothing_looks_complete(tmp_path / "results")
+
+
+def test_the_disk_check_refuses_what_cannot_fit_and_warns_of_what_may_not(tmp_path, tmpfs, caplog):
+    """The cache's disk check against a real 1 MiB file system: an entry whose prompts alone do not fit is refused
+    in one line; one that fits unless every response runs to max_new_tokens goes on, saying it may fill up; one
+    that fits at its largest goes on silently. (776 bytes of states + 4 of ids a token.)"""
+    from eaglelab.data.prepare import check_disk_space
+    from eaglelab.errors import ResourceError
+
+    small = tmpfs("cache", 1 << 20)
+    check = lambda n, max_new: check_disk_space(  # noqa: E731  (n prompts of 100 tokens, one shard)
+        small, "train", [100] * n, [list(range(n))], small / "regen" / "r", small / "features" / "f",
+        max_new_tokens=max_new, limit=2048, backend="hf", state_bytes=776,
+    )  # fmt: skip
+    with pytest.raises(ResourceError, match=r"needs at least 1\.6 MB and up to 3\.1 MB .* has 1\.0 MB free"):
+        check(20, 100)  # at least 20 × 101 tokens × 780 bytes
+    caplog.clear()
+    check(10, 900)  # 0.8 MB at least, 7.8 MB at most
+    assert [r.getMessage() for r in caplog.records if "may fill up" in r.getMessage()], caplog.text
+    caplog.clear()
+    check(10, 20)  # 0.95 MB at most
+    assert "may fill up" not in caplog.text
+    assert not any(small.rglob("*.arrow"))
 
 
 @pytest.mark.slow
@@ -392,3 +415,20 @@ def test_a_conversation_answered_turn_by_turn_is_sized_to_the_limit(cache_dir, t
     # Positions labelled (what sizes the head's logits): every answer, the two earlier ones inside the prompt at their
     # budget, under `all`; the last answer alone under `last`.
     assert 2 * 100 < sizes["all"][3] <= 256 and sizes["last"][3] <= 100, sizes
+
+
+def test_the_data_plan_of_an_8b_target_at_200k_conversations():
+    """benchmarks/data_plan.py's figures, from the preflight's own data_plan: 3 aux states of 4,096 bf16 values, the
+    int32 label and id are 24,584 bytes a token; 200,000 × 2,048 tokens of them are 10.1 TB per copy, each epoch
+    reads them all, and a step of 32,768 tokens reads 805 MB per rank. KL keeps the final state too (+8,192 bytes)."""
+    from benchmarks.data_plan import plan
+
+    p = plan("llama-3.1-8b", 200_000, 2048, [])
+    assert (p.bytes_per_token, p.tokens, p.disk) == (24_584, 409_600_000, 409_600_000 * 24_584)
+    assert p.epoch_read == 409_600_000 * 24_580 and p.step_tokens * p.states_per_token == 32_768 * 24_580
+    lines = p.lines(free=2 * 10**12)
+    assert lines[0].startswith("the training set holds at most 10.1 TB in the cache (200,000 sequences")
+    assert lines[0].endswith("; 2.0 TB free there")
+    assert "each GPU reads" in lines[2]
+    assert plan("llama-3.1-8b", 200_000, 2048, ["train.loss=kl"]).bytes_per_token == 24_584 + 8_192
+    assert plan("llama-3.1-8b", 200_000, 2048, ["features=online"]).disk == 409_600_000 * 4  # token ids only

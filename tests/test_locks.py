@@ -149,7 +149,7 @@ def test_the_shards_of_an_entry_are_made_once_by_whoever_holds_them(tmp_path):
 
     threading.Thread(target=third).start()
     holding.wait()
-    ranks = [threading.Thread(target=lambda r=r: _take_shards(8, (r, 2), folder, lambda t: make(r, t)))
+    ranks = [threading.Thread(target=lambda r=r: _take_shards([1] * 8, (r, 2), folder, lambda t: make(r, t)))
              for r in (0, 1)]  # fmt: skip
     for t in ranks:
         t.start()
@@ -162,3 +162,24 @@ def test_the_shards_of_an_entry_are_made_once_by_whoever_holds_them(tmp_path):
     first = {r: next(i for rank, i in made if rank == r) for r in (0, 1)}
     assert first == {0: 0, 1: 1}  # each rank's own share first
     assert any(i == 5 for _, i in made[-2:])  # the dropped shard, made once its holder let go
+
+
+def test_one_engine_job_takes_shards_up_to_a_token_budget(tmp_path):
+    """However long the shards' sequences, one claim (one engine job, its token ids in memory twice) holds at most
+    CLAIM_TOKENS tokens, or one shard when a single shard is larger."""
+    from eaglelab.data.prepare import CLAIM_TOKENS, _take_shards
+    from eaglelab.data.store import shard_name
+
+    folder = tmp_path / "regen" / "key"
+    folder.mkdir(parents=True)
+    jobs = []
+
+    def make(todo):
+        jobs.append(list(todo))
+        for i in todo:
+            (folder / shard_name(i)).write_text("x")
+        return len(todo)
+
+    sizes = [CLAIM_TOKENS // 3] * 5 + [2 * CLAIM_TOKENS] + [10] * 3
+    assert _take_shards(sizes, (0, 1), folder, make) == 9
+    assert jobs == [[0, 1, 2], [3, 4], [5], [6, 7, 8]]

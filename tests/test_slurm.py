@@ -71,18 +71,24 @@ def _sacct(*fields: str) -> list[list[str]]:
     return [line.split("|") for line in out.splitlines() if line]
 
 
-def test_grid_through_the_slurm_launcher(slurm, cache_dir, tmp_path):
-    """Two trials of a grid as a Slurm array (the 2-task DDP trial below and the Optuna sweep add more jobs)."""
-    sweep = tmp_path / "grid"
+def test_grid_through_the_slurm_launcher_after_its_prepare_job(slurm, tmp_path):
+    """The documented cluster route on a cold cache: the sweep's command with `stage=prepare` as one Slurm job (its
+    GPUs: train.devices or the data engine's size; none here), then the grid's two trials as a Slurm array, which
+    prepare nothing (the 2-task DDP trial below and the Optuna sweep add more jobs)."""
+    cache, sweep = tmp_path / "cache", tmp_path / "grid"
+    prepare = run_cli(["-m", *QUICK, *SLURM, "stage=prepare", f"hydra.sweep.dir={tmp_path / 'prepare'}"], cache,
+                      tmp_path, timeout=900)  # fmt: skip
+    assert prepare.returncode == 0, prepare.stderr[-3000:]
+    (made,) = [json.loads(p.read_text()) for p in (tmp_path / "prepare").glob("*/metrics.json")]
+    assert made["data/shards_prepared"] > 0 and not any((tmp_path / "prepare").glob("*/drafter"))
     proc = run_cli(
-        ["-m", *QUICK, *SLURM, "+ablation=eagle3_1,eagle3", f"hydra.sweep.dir={sweep}"],
-        cache_dir,
-        tmp_path,
-        timeout=900,
+        ["-m", *QUICK, *SLURM, "+ablation=eagle3_1,eagle3", f"hydra.sweep.dir={sweep}"], cache, tmp_path, timeout=900
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = sorted(sweep.glob("*/metrics.json"))
     assert len(runs) == 2
+    assert [json.loads(r.read_text())["data/shards_prepared"] for r in runs] == [0, 0]
+    assert proc.stdout.count("; data shards prepared") == 0 and "0_eagle3.1_s0: eagle3.1 seed 0" in proc.stdout
     labels = {
         (
             json.loads((r.parent / "run.json").read_text())["variant"],

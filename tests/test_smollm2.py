@@ -112,3 +112,24 @@ def test_self_chat_requests_are_written_cached_extended_and_trained_on(smollm2_r
             store = TokenStore(entry)
             prompts |= {target.tokenizer.decode(store.input_ids(i)[: store.prompt_len[i]]) for i in range(len(store))}
     assert prompts and all(any(t in p for p in prompts) for t in texts)
+
+
+def test_self_chat_is_written_by_vllm_where_vllm_regenerates(cache_dir, tmp_path):
+    """Where vLLM regenerates, the self_chat source is sampled by a vLLM engine in its own process (each sample
+    seeded): distinct closed requests, the HF model never loaded here, a stream of its own (another cache key than
+    HF's), cached batch by batch (asking again starts no engine)."""
+    from eaglelab.config import TargetConfig
+
+    target = load_target(TargetConfig(kind="smollm2", dtype=DTYPE), cache_dir)
+    settings = SelfChatSettings(batch_size=8)
+    ask = lambda: self_chat_prompts(target, 6, cache_dir=tmp_path, system_prompt=None, seed=0, settings=settings,  # noqa: E731
+                                    engine={"tensor_parallel_size": 1, "pipeline_parallel_size": 1})  # fmt: skip
+    first = ask()
+    texts = [p[0]["content"] for p in first]
+    assert len(set(texts)) == 6 and all(len(t) >= 16 and "<|im_" not in t for t in texts), texts
+    assert not target.loaded  # written by the engine's process
+    (folder,) = (tmp_path / "prompts" / "self_chat").iterdir()
+    rows = [json.loads(line) for p in sorted(folder.glob("batch-*.jsonl")) for line in p.read_text().splitlines()]
+    assert len({r["text"] for r in rows}) > len(rows) // 2, rows  # samples differ within and across batches
+    written = {p: p.stat().st_mtime_ns for p in folder.glob("batch-*.jsonl")}
+    assert ask() == first and {p: p.stat().st_mtime_ns for p in folder.glob("batch-*.jsonl")} == written

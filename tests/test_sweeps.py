@@ -72,6 +72,45 @@ def test_ready_grids_expand_to_distinct_valid_trials(sweep, trials, keys, varian
     assert {v for v, *_ in seen} == variants
 
 
+@pytest.mark.parametrize("sweep", ["loss_grid", "ttt_grid"])
+def test_a_loss_or_ttt_grid_prepares_one_data_set_for_every_trial(sweep, cache_dir, tmp_path):
+    """Every trial of the grid asks for the same training and held-out entries (eaglelab.data.stage), so the
+    first prepares them and the rest read them; without the grid's data settings they would not."""
+    from eaglelab.data.stage import held_out_entry, training_entry
+    from eaglelab.sweeps import warn_copies
+
+    trials = [compose([f"+sweep={sweep}", *overrides], cache_dir, tmp_path) for overrides in _grid(sweep)]
+    entries = {(json.dumps(training_entry(c)), json.dumps(held_out_entry(c))) for c in trials}
+    assert len(entries) == 1, entries
+    unset = ["data.keep_final=false", "data.tail_for_ttt=0"]
+    bare = [compose([f"+sweep={sweep}", *overrides, *unset], cache_dir, tmp_path) for overrides in _grid(sweep)]
+    assert len({(json.dumps(training_entry(c)), json.dumps(held_out_entry(c))) for c in bare}) == 2
+    fix = {"loss_grid": "data.keep_final=true", "ttt_grid": "data.tail_for_ttt=5"}[sweep]
+    with _logged("eaglelab.sweeps") as lines:
+        warn_copies(bare)
+        warn_copies(trials)
+    assert len(lines) == 1 and "at least 2 copies" in lines[0] and f"add {fix} to prepare one" in lines[0], lines
+
+
+def _logged(name: str):
+    """The lines logger `name` writes inside the block."""
+    import contextlib
+    import logging
+
+    @contextlib.contextmanager
+    def catch():
+        lines, handler = [], logging.Handler()
+        handler.emit = lambda record: lines.append(record.getMessage())
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        try:
+            yield lines
+        finally:
+            logger.removeHandler(handler)
+
+    return catch()
+
+
 def test_data_scaling_sizes_are_distinct_training_sets(cache_dir, tmp_path):
     """Each data size of the data-scaling grid gets that many distinct training prompts from the default sources: a
     size beyond what they hold would silently repeat the largest set. The self_chat source is the target writing

@@ -511,3 +511,16 @@ def test_the_optimizer_is_fused_and_clips_its_gradients_under_every_precision(pr
     cfg.train.precision = "16-mixed"
     opt = adamw([torch.nn.Parameter(torch.ones(1))], cfg.train)
     assert not opt.defaults["fused"] and opt.defaults["foreach"]
+
+
+def test_the_loaders_read_ahead_is_sized_in_bytes():
+    """An 8B target's batch of 32,768 tokens (~0.8 GB of states): each of 4 workers reads one ahead within the 2 GB
+    default (3.2 GB in all, where 4 ahead each held ~13 GB); small batches keep 4 ahead."""
+    from eaglelab.config import TrainConfig
+    from eaglelab.trainer import loader_options
+
+    gpu = TrainConfig(accelerator="gpu")
+    assert loader_options(gpu, 805_000_000)["prefetch_factor"] == 1
+    assert loader_options(TrainConfig(accelerator="gpu", prefetch_gb=8.0), 805_000_000)["prefetch_factor"] == 2
+    assert loader_options(gpu, 3_000_000)["prefetch_factor"] == 4
+    assert "prefetch_factor" not in loader_options(TrainConfig(accelerator="cpu"), 805_000_000)  # no workers

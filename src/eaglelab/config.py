@@ -197,6 +197,11 @@ class DataConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     shard_size: int = 128  # prompts per regeneration shard: a killed preparation redoes at most one
+    # What the prepared entries keep for the other runs that share them. A sweep over the loss or the TTT length
+    # sets these to its widest trial so that every trial reads one copy (eaglelab.sweeps.Preflight says when a
+    # sweep would prepare more); an entry that keeps more than a run needs serves that run too.
+    keep_final: bool = False  # the target's final state (KL's teacher) even for train.loss=ce: +1/len(aux) bytes
+    tail_for_ttt: int = 0  # tails long enough for validation τ up to 2·max(train.ttt_steps, this) (0: the run's own)
     seed: int = 0
     skip_empty: bool = False  # jsonl/hf rows without a user turn: an error naming the row, or skipped and counted
 
@@ -211,6 +216,8 @@ class DataConfig:
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
         )
+        if self.tail_for_ttt < 0:
+            raise ConfigError(f"data.tail_for_ttt must be >= 0 (a TTT length, 0: the run's), got {self.tail_for_ttt}")
         if self.val_prompts < 0:
             raise ConfigError(f"data.val_prompts must be >= 0 (a count of prompts), got {self.val_prompts}")
         if not self.sources:
@@ -270,6 +277,9 @@ class TrainConfig:
     # DataLoader worker processes that read, collate and pin the next batches while the step computes. null: 4 on
     # CUDA (pinned memory too), none on a CPU, where workers would take the cores the step computes on.
     num_workers: int | None = None
+    # Host memory the workers' batches read ahead may hold, per rank: each worker reads ahead as many batches as fit
+    # (1 to 4). An 8B target's batch of 32,768 tokens is ~0.8 GB of states: 4 workers × 4 batches were ~13 GB a rank.
+    prefetch_gb: float = 2.0
     checkpoint_every_n_steps: int = 50  # the resume point after a preemption (lightning/last.ckpt)
     # write lightning/last.ckpt in a thread while training goes on (the state is copied first, on the device, so the
     # file is the step's): the step waits for the copy, not the disk. Still atomic: a killed write never replaces it.
@@ -294,6 +304,7 @@ class TrainConfig:
             checkpoint_every_n_steps=self.checkpoint_every_n_steps,
             devices=self.devices,
             num_nodes=self.num_nodes,
+            prefetch_gb=self.prefetch_gb,
         )
         _non_negative(
             "train",
@@ -473,6 +484,9 @@ class EvalConfig:
 class PathsConfig:
     cache_dir: str = "${oc.env:EAGLELAB_CACHE_DIR,'~/.cache/eaglelab'}"
     results_dir: str = "${oc.env:EAGLELAB_RESULTS_DIR,results}"
+    # Node-local scratch for vLLM's hidden-states connector (its per-request state files and their flock locks): the
+    # shared file system sees only finished shards. Slurm sites set TMPDIR to a job's local disk; it must support flock.
+    scratch_dir: str = "${oc.env:TMPDIR,/tmp}"
 
 
 @dataclass
@@ -569,11 +583,12 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     return run_cfg
 
 
-def max_k(cfg: RunConfig) -> int:
-    """Deepest draft the held-out evaluation measures: past the trained depth when extrapolating."""
+def max_k(cfg: RunConfig, ttt_steps: int | None = None) -> int:
+    """Deepest draft the held-out evaluation measures: past the trained depth when extrapolating (`ttt_steps`: of
+    another trained depth than this run's)."""
     if cfg.eval.max_k:
         return cfg.eval.max_k
-    ttt = cfg.train.ttt_steps
+    ttt = ttt_steps or cfg.train.ttt_steps
     return max(8, 2 * ttt + 2) if cfg.eval.suites.extrapolation.enabled else ttt
 
 

@@ -175,6 +175,7 @@ def held_out_job(cfg: RunConfig, run_dir: Path, drafter: Eagle3Drafter, serving:
         enforce_eager=v.enforce_eager,
         gpu_memory_utilization=v.gpu_memory_utilization,
         parity_along_vllm=v.parity_along_vllm,
+        scratch_dir=cfg.paths.scratch_dir,
         tensor_parallel_size=v.tensor_parallel_size,
         temperatures=sorted({0.0, *map(float, cfg.eval.temperature)}),
         served_temperature=v.served_temperature,
@@ -232,15 +233,16 @@ ENGINE = "eaglelab.data.vllm_capture"  # evaluation jobs run there: its handler 
 ALONG = "along_vllm"  # the folder of an engine job's workdir that holds the sequences it decoded, captured
 
 
-def along_vllm_job(drafter: Eagle3Drafter, wanted: bool, dtype: str) -> dict:
+def along_vllm_job(drafter: Eagle3Drafter, wanted: bool, dtype: str, scratch_dir: str) -> dict:
     """What an evaluation job needs to capture the states along its greedy outputs (nothing when not `wanted`): which
-    layers (the folder is its part's: eaglelab.spread), and the room its process needs beside its engines on a GPU
-    (the target's LM head and one chunk of logits, for the labels: as the data stage's capture job)."""
+    layers (the folder is its part's: eaglelab.spread), where its connector writes (node-local `scratch_dir`), and the
+    room its process needs beside its engines on a GPU (the target's LM head and one chunk of logits, for the labels:
+    as the data stage's capture job)."""
     if not wanted:
         return {}
     c, size = drafter.cfg, 4 if dtype == "float32" else 2
     return {
-        "along_vllm": {"layer_ids": list(c.aux_layer_ids)},
+        "along_vllm": {"layer_ids": list(c.aux_layer_ids), "scratch_dir": str(Path(scratch_dir).expanduser())},
         "beside_engine_bytes": (c.target_hidden_size + LOGITS_CHUNK) * c.vocab_size * size,
     }
 
@@ -463,6 +465,7 @@ def vllm_job(
     served_temperature: float = 0.0,
     parity_along_vllm: bool = True,
     tensor_parallel_size: int = 1,
+    scratch_dir: str = "/tmp",
 ) -> dict:
     """The engine job that measures τ per k (on an evenly spaced subset of `num_prompts`, with the capture along its
     greedy outputs when `parity_along_vllm`) and decode speed as served (every sequence of `features`)."""
@@ -490,7 +493,7 @@ def vllm_job(
         "enforce_eager": enforce_eager,
         "gpu_memory_utilization": gpu_memory_utilization,
         "tensor_parallel_size": tensor_parallel_size,  # every engine and server of the job (eaglelab.devices)
-        **along_vllm_job(drafter, parity_along_vllm, dtype),
+        **along_vllm_job(drafter, parity_along_vllm, dtype, scratch_dir),
     }
 
 

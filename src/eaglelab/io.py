@@ -36,6 +36,22 @@ def writable_folder(directory: Path, setting: str) -> None:
         ) from None
 
 
+def flock_folder(directory: Path, setting: str, needed_by: str) -> None:
+    """`directory` is a writable folder where flock works (`needed_by` locks its files with it, with no fallback);
+    otherwise one ConfigError line naming `setting`. Lustre without its `flock` mount option and many FUSE file
+    systems answer ENOSYS or EOPNOTSUPP."""
+    writable_folder(directory, setting)
+    with tempfile.NamedTemporaryFile(dir=directory, prefix=".flock-check-") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(f, fcntl.LOCK_UN)
+        except OSError as e:
+            raise ConfigError(
+                f"{directory} does not support flock ({errno.errorcode.get(e.errno, e.errno)}), which {needed_by} "
+                f"needs; set {setting} to a node-local folder (the job's $TMPDIR, /tmp)"
+            ) from None
+
+
 @contextlib.contextmanager
 def atomic_dir(final: Path):
     """Yield a temporary sibling folder; rename it to `final` only if the block succeeds."""

@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from eaglelab.config import RunConfig, check_depths_and_lengths, max_k, resolve_capture_backend
+from eaglelab.config import RunConfig, check_depths_and_lengths, max_k, on_cuda, resolve_capture_backend
 from eaglelab.devices import cpu_bf16_kernels
 from eaglelab.draft_loss import chunk_rows, chunks_cost_more, keeps_teacher
 from eaglelab.drafter import Attention, Eagle3Config
@@ -102,6 +102,9 @@ def check_limits(
     estimate = estimate_memory(cfg, target, drafter, sets)
     log.info("memory estimate: %s", estimate)
     check_fits_memory(estimate)
+    if train_prompts and sets[0].name == "train":
+        for line in data_plan(cfg, drafter, sets[0]).lines(free_bytes(Path(cfg.paths.cache_dir).expanduser())):
+            log.info("data plan: %s", line)
     return estimate
 
 
@@ -211,6 +214,9 @@ class PromptSet:
     response: int  # longest response
     bound: str  # what limits `sequence`, for an error line: "data.max_length=1024" or "sequences of up to 487 tokens"
     trained_on: int = 0  # sequences outside the validation split (the training set only)
+    sequences: int = 0  # prompts kept (those with room for an answer)
+    prompt_tokens: int = 0  # their prompts' tokens, in the target's template
+    tokens_bound: int = 0  # their sequences' tokens at most: each prompt + its max_new_tokens, within the limit
 
 
 def prompt_sets(
@@ -229,6 +235,11 @@ def prompt_sets(
     def add(name, prompts, render, max_new_tokens, limit, batch, at_limit, trained_on=0, turn_by_turn=False, sizes=()):
         sizes = sizes or [length(m, render, max_new_tokens, turn_by_turn) for m in prompts]  # (or already known)
         kept = [(n, m) for n, m in zip(sizes, prompts) if fits(m, n, limit, turn_by_turn)]
+        totals = {
+            "sequences": len(kept),
+            "prompt_tokens": sum(min(n, limit) for n, _ in kept),
+            "tokens_bound": sum(min(n + max_new_tokens, limit) for n, _ in kept),
+        }
         if kept:
             prompt = min(max(n for n, _ in kept), limit - 8)  # (a conversation answered turn by turn: up to the limit)
             sequence = min(prompt + max_new_tokens, limit)
@@ -237,7 +248,7 @@ def prompt_sets(
             # span inside the prompt at up to its budget; never more than the sequence.
             answers = max(len(rounds(m)) if turn_by_turn and is_multi_turn(m) else 1 for _, m in kept)
             response = min(min(max_new_tokens, sequence - prompt) + (answers - 1) * max_new_tokens, sequence)
-            sets.append(PromptSet(name, batch, prompt, sequence, response, bound, trained_on))
+            sets.append(PromptSet(name, batch, prompt, sequence, response, bound, trained_on, **totals))
 
     # As eaglelab.data.prepare keeps and sizes a prompt: it leaves room for an answer; a training conversation the
     # target answers turn by turn (data.turns=all) when its first round does, sized by its longest last prompt.
@@ -272,6 +283,74 @@ def prompt_sets(
         bound = f"eval.suites.long_context.lengths up to {max(lc.lengths)}"
         sets.append(PromptSet("long_context", batch, prompt, prompt + lc.max_new_tokens, lc.max_new_tokens, bound))
     return sets
+
+
+# --- the training data's disk and read bandwidth -----------------------------------------------------------------
+# The training rate per GPU the read-bandwidth line assumes: this share of a bf16 dense peak (the H100's and H200's,
+# 989.4 TFLOP/s) on the drafter's dense FLOPs. benchmarks/step_scaling.py measured the 8B drafter's step at 24-41 % of
+# that peak on an H200; 35 % is taken. A CPU run gets no such line (its rate is the run's own, time/train_s).
+ASSUMED_UTILIZATION, PEAK_FLOPS = 0.35, 989.4e12
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    """What the training set costs in disk and reads (features=cached: its states; online: its token ids only),
+    counted from its prompts before anything is regenerated: every response taken at its full budget, so the disk
+    and read figures are upper bounds (responses that stop early make them smaller)."""
+
+    sequences: int
+    tokens: int  # at most: each prompt + its max_new_tokens, within data.max_length
+    bytes_per_token: int  # on disk: int32 ids (tokens), the int32 label and the states' bf16 bits (states)
+    states_per_token: int  # of those, what a training step reads per token besides the ids
+    epoch_read: int  # bytes an epoch reads: the states of the training split
+    step_tokens: int  # tokens a step trains on, per rank
+    flops_per_token: float  # the drafter's dense FLOPs per trained token, forward and backward, all TTT steps
+    on_gpu: bool
+
+    @property
+    def disk(self) -> int:
+        return self.tokens * self.bytes_per_token
+
+    def lines(self, free: int | None = None) -> list[str]:
+        """The preflight's lines (`free`: the cache's free bytes, said beside its need when given)."""
+        out = [
+            f"the training set holds at most {size_text(self.disk)} in the cache ({self.sequences:,} sequences, "
+            f"≤ {self.tokens:,} tokens × {self.bytes_per_token:,} bytes)"
+            + (f"; {size_text(free)} free there" if free is not None else ""),
+            f"an epoch reads at most {size_text(self.epoch_read)}; a step of {self.step_tokens:,} tokens reads "
+            f"{size_text(self.step_tokens * self.states_per_token)} per rank",
+        ]
+        if self.on_gpu and self.states_per_token:
+            rate = ASSUMED_UTILIZATION * PEAK_FLOPS / self.flops_per_token
+            out.append(
+                f"at {rate / 1e3:,.0f}k tokens/s per GPU ({ASSUMED_UTILIZATION:.0%} of {PEAK_FLOPS / 1e12:.0f} "
+                f"TFLOP/s on the drafter's {self.flops_per_token / 1e9:.1f} GFLOP a token) each GPU reads "
+                f"{size_text(rate * self.states_per_token)}/s"
+            )
+        return out
+
+
+def data_plan(cfg: RunConfig, d: Eagle3Config, train: PromptSet) -> DataPlan:
+    """The training set's disk and read figures for this run (`train`: its prompts, as `prompt_sets` counts them)."""
+    states = len(d.aux_layer_ids) * d.target_hidden_size * 2 + 4  # aux states (bf16) and the label (int32)
+    if cfg.train.loss == "kl" or cfg.data.keep_final:
+        states += d.target_hidden_size * 2  # the final state (eaglelab.data.stage.training_entry)
+    states = 0 if cfg.features.kind == "online" else states
+    mean = train.tokens_bound / max(train.sequences, 1)
+    step = cfg.train.tokens_per_batch or int(cfg.train.batch_size * mean)
+    fc = len(d.aux_layer_ids) * d.target_hidden_size * (d.hidden_size + 1)
+    per_step = _trainable_parameters(d) - fc - d.hidden_size  # the decoder layer(s) and the LM head: every TTT step
+    flops = 6 * (fc + cfg.train.ttt_steps * per_step)  # (fc once: step 1's input; attention's FLOPs left out)
+    return DataPlan(
+        sequences=train.sequences,
+        tokens=train.tokens_bound,
+        bytes_per_token=4 + states,
+        states_per_token=states,
+        epoch_read=int(train.tokens_bound * train.trained_on / max(train.sequences, 1)) * states,
+        step_tokens=step,
+        flops_per_token=float(flops),
+        on_gpu=on_cuda(cfg.train.accelerator),
+    )
 
 
 @dataclass(frozen=True)
@@ -684,7 +763,7 @@ def free_bytes(folder: Path) -> int:
 
 
 def size_text(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{int(n)} bytes"

@@ -26,7 +26,7 @@ from eaglelab.drafter import Eagle3Config, Eagle3Drafter
 from eaglelab.errors import ConfigError, EaglelabError
 from eaglelab.evaluate import Serving, as_evaluated, evaluate_held_out, evaluate_held_out_in_vllm, vllm_wanted
 from eaglelab.export import TargetShape, load_checkpoint, save_drafter
-from eaglelab.io import atomic_write_text, writable_folder, write_csv
+from eaglelab.io import atomic_write_text, flock_folder, writable_folder, write_csv
 from eaglelab.limits import as_disk_full, check_limits, measured_peaks
 from eaglelab.plots import plot_acceptance
 from eaglelab.ranks import barrier, broadcast, gather, is_primary, last_words, same_on_every_rank, trial_ranks
@@ -120,9 +120,13 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
     use_vllm = vllm_wanted(cfg)
     regen = regen_backend(cfg)
     trains_online = cfg.checkpoint is None and cfg.features.kind != "cached" and cfg.stage == "all"
+    captures = capture_backend(cfg, regen)  # (a required but missing vLLM fails here)
     # A run whose stages run the HF model (HF regeneration or capture, online features) is refused first when it
     # cannot hold it (a cache already complete would not need it: the check does not know that yet).
-    hf_model = trains_online or "hf" in (regen, capture_backend(cfg, regen))  # (a required but missing vLLM fails here)
+    hf_model = trains_online or "hf" in (regen, captures)
+    if captures == "vllm" or use_vllm:  # vLLM's hidden-states connector: the data's capture, the parity along vLLM
+        flock_folder(Path(cfg.paths.scratch_dir).expanduser(), "paths.scratch_dir (or TMPDIR)",
+                     "vLLM's hidden-states connector")  # fmt: skip
     with timer("convert"):  # the target (SmolLM2's GGUF converted once, then cached), where training runs
         device = target_device(cfg.train.accelerator)
         target = load_target(cfg.target, cfg.paths.cache_dir, device=device, will_load=hf_model)
@@ -168,9 +172,10 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
         return {**data.metrics, **{f"time/{k}_s": v for k, v in timer.seconds.items()}} if primary else {}
     weights = weights or target.weights(last_layers)  # the loaded model's, else read by name (never a second copy)
     serving = Serving(target.path, target.max_context)
-    # Online and hybrid features keep the frozen target for training; otherwise it is freed before training.
+    # Online and hybrid features keep the frozen target for training; otherwise it is freed before training. (The final
+    # state: the KL teacher's, and what a hybrid run publishes when its entry keeps it, data.keep_final.)
     online = (
-        OnlineStates(target.model, model_cfg.aux_layer_ids, cfg.train.loss == "kl")
+        OnlineStates(target.model, model_cfg.aux_layer_ids, data.train.keeps_final)
         if drafter is None and cfg.features.kind != "cached"
         else None
     )

@@ -239,7 +239,7 @@ def suites_job(cfg: RunConfig, drafter, inputs: SuiteInputs, run_dir: Path, serv
         "enforce_eager": v.enforce_eager,
         "gpu_memory_utilization": v.gpu_memory_utilization,
         "tensor_parallel_size": v.tensor_parallel_size,
-        **along_vllm_job(drafter, v.parity_along_vllm, cfg.target.dtype),
+        **along_vllm_job(drafter, v.parity_along_vllm, cfg.target.dtype, cfg.paths.scratch_dir),
         **long_context_speed_job(cfg, inputs),
     }
 

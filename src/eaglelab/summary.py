@@ -126,7 +126,9 @@ def _run_summary(run_dir: Path) -> list[str]:
 
 
 def sweep_summary(run_dirs: list[Path]) -> list[str]:
-    """One line per trial of a sweep: variant, seed, τ at the trained depth (simulated, vLLM), the speedup at c = 1."""
+    """One line per trial of a sweep: variant, seed, τ at the trained depth (simulated, vLLM), the speedup at c = 1,
+    and the data shards it prepared itself (0: it read what an earlier trial or stage=prepare made); a trial of
+    `stage=prepare` says what it prepared only."""
     lines = []
     for run_dir in run_dirs:
         try:
@@ -139,6 +141,11 @@ def sweep_summary(run_dirs: list[Path]) -> list[str]:
             lines.append(f"  {run_dir.name}: not finished ({status})")
             continue
         ttt = _trained_depth(config, record)
+        made = metrics.get("data/shards_prepared")
+        prepared = f"{int(made)} data shards prepared in {_minutes(metrics.get('time/prepare_s'))}" if made else ""
+        if not has_results(run_dir):  # stage=prepare
+            lines.append(f"  {run_dir.name}: {prepared or 'data found prepared'}")
+            continue
         sim, vllm = metrics.get(f"acceptance_length@k{ttt}"), metrics.get(f"vllm/acceptance_length@k{ttt}")
         line = f"  {run_dir.name}: {record.get('variant', '?')} seed {record.get('seed', '?')}, τ@{ttt}"
         line += f" simulated {sim:.3f}" if sim is not None else " simulated -"
@@ -147,7 +154,7 @@ def sweep_summary(run_dirs: list[Path]) -> list[str]:
         if at_one:
             k, _, s, low, high = at_one[0]
             line += f", speedup {s:.2f}x" + (f" [{low:.2f}, {high:.2f}]" if low is not None else "")
-        lines.append(line)
+        lines.append(line + (f"; {prepared}" if prepared else ""))
     return lines
 
 

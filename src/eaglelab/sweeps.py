@@ -102,6 +102,7 @@ def check_sweep_params(config: DictConfig) -> None:
         if o.is_sweep_override()
         for v in _values(o)[1:]
     ]
+    entries = {}  # what each probe's training and held-out cache entries keep
     for probe in probes:
         try:
             cfg = compose(config.hydra.job.config_name, overrides=probe)
@@ -113,9 +114,33 @@ def check_sweep_params(config: DictConfig) -> None:
                 "`python src/run.py --cfg job` (a new key needs a leading +)"
             )
         try:
-            check_suites(to_run_config(cfg))
+            run_cfg = to_run_config(cfg)
+            check_suites(run_cfg)
         except EaglelabError as e:
             _fail(f"a trial of this sweep would fail: {e}")
+        entries[tuple(probe)] = run_cfg
+    warn_copies(list(entries.values()))
+
+
+def warn_copies(trials: list) -> None:
+    """One line when the trials of a sweep would prepare several copies of one data set (their losses or TTT
+    lengths keep different states or tails), naming the settings that make them share the widest."""
+    from eaglelab.data.stage import held_out_entry, training_entry
+
+    finals = {training_entry(c)["with_final"] for c in trials}
+    tails = {(training_entry(c)["tail_tokens"], held_out_entry(c)["tail_tokens"]) for c in trials}
+    copies = {(json.dumps(training_entry(c)), held_out_entry(c)["tail_tokens"]) for c in trials}
+    if len(copies) < 2:
+        return
+    fix = ["data.keep_final=true"] if len(finals) > 1 else []
+    if len(tails) > 1:
+        fix.append(f"data.tail_for_ttt={max(max(c.train.ttt_steps, c.data.tail_for_ttt) for c in trials)}")
+    log.warning(
+        "the trials of this sweep would prepare at least %d copies of their training data (their train.loss or "
+        "train.ttt_steps keep different states or tails); add %s to prepare one that serves them all",
+        len(copies),
+        " ".join(fix),
+    )
 
 
 def check_slurm(config: DictConfig) -> None:

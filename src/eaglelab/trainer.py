@@ -86,7 +86,8 @@ def train_drafter(
     module.online = online
     if cfg.features.kind == "hybrid" and features.states is None:
         run_id = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]  # the same in every process
-        module.hybrid = HybridStates(features, features.states_dir, with_final, run_id, cfg.data.shard_size)
+        # (the states it publishes are the entry's: with the final state when the entry keeps it, whatever the loss)
+        module.hybrid = HybridStates(features, features.states_dir, features.keeps_final, run_id, cfg.data.shard_size)
     loader = ResumableLoader(
         train_set,
         collate_fn=collate,
@@ -101,7 +102,7 @@ def train_drafter(
             ),
             tokens_per_batch=cfg.train.tokens_per_batch,
         ),
-        **loader_options(cfg.train),
+        **loader_options(cfg.train, batch_bytes(features, cfg.train, train_idx)),
     )
     module.train_batches = loader.batch_sampler
     # Each rank validates its share of the validation sequences (the counts are summed over the ranks before τ and
@@ -115,7 +116,7 @@ def train_drafter(
             ),
             batch_size=cfg.train.batch_size,
             collate_fn=collate,
-            **loader_options(cfg.train),
+            **loader_options(cfg.train, batch_bytes(features, cfg.train, val_idx)),
         )
         if val_set
         else None
@@ -163,14 +164,26 @@ def train_drafter(
     return module.drafter, metrics
 
 
-def loader_options(t: TrainConfig) -> dict:
+def loader_options(t: TrainConfig, batch_bytes: int = 0) -> dict:
     """The input pipeline (train.num_workers, null resolved): worker processes read and collate the next batches while
-    the step computes, and on CUDA pin them, so the copy to the device is asynchronous."""
+    the step computes, and on CUDA pin them, so the copy to the device is asynchronous. Each worker reads ahead as
+    many batches of `batch_bytes` as train.prefetch_gb holds among them all, 1 to 4."""
     cuda = on_cuda(t.accelerator)
     workers = t.num_workers if t.num_workers is not None else (4 if cuda else 0)
     if not workers:
         return {"pin_memory": cuda}
-    return {"pin_memory": cuda, "num_workers": workers, "prefetch_factor": 4, "persistent_workers": True}
+    ahead = max(1, min(4, int(t.prefetch_gb * 1e9 // max(workers * batch_bytes, 1))))
+    return {"pin_memory": cuda, "num_workers": workers, "prefetch_factor": ahead, "persistent_workers": True}
+
+
+def batch_bytes(features, train: TrainConfig, indices: list[int]) -> int:
+    """A training batch's bytes in host memory, at most: its tokens (train.tokens_per_batch, or batch_size of the
+    longest sequences) × what the loader holds per token (the stored states, the label, the int64 id)."""
+    item = features.item(indices[0], with_final=train.loss == "kl") if indices else {}
+    per_token = 8 + 8 + sum(item[k].shape[-1] * item[k].element_size() for k in ("aux", "final") if k in item)
+    lengths = features.tokens.lengths()
+    longest = int(max((lengths[features.rows[i]] for i in indices), default=0))
+    return (train.tokens_per_batch or train.batch_size * longest) * per_token
 
 
 def validation_share(count: int, ranks) -> list[int]:

@@ -38,7 +38,8 @@ def variant_of(drafter: Mapping | object) -> str:
 def register_resolver() -> None:
     """The resolvers conf/ uses: `${eaglelab.variant:${drafter}}` (the schema's default `variant`) and
     `${eaglelab.launch_stamp:${train.accelerator}}` (a run directory's time, one for all ranks: eaglelab.ranks),
-    `${eaglelab.slurm_python:}` (the Slurm launcher's job command: eaglelab/slurm_entry.py).
+    `${eaglelab.slurm_python:}` (the Slurm launcher's job command: eaglelab/slurm_entry.py) and
+    `${eaglelab.gpus_per_node:...}` (the GPUs a job asks for: its ranks' or its data engine's, whichever is more).
     Registered when `eaglelab` is imported, so every process that resolves a config (a submitit or Slurm job too)
     has them."""
     try:
@@ -51,6 +52,14 @@ def register_resolver() -> None:
         OmegaConf.register_resolver("eaglelab.launch_stamp", _launch_stamp, use_cache=True)
     if not OmegaConf.has_resolver("eaglelab.slurm_python"):
         OmegaConf.register_resolver("eaglelab.slurm_python", _slurm_python)
+    if not OmegaConf.has_resolver("eaglelab.gpus_per_node"):
+        OmegaConf.register_resolver("eaglelab.gpus_per_node", gpus_per_node)
+
+
+def gpus_per_node(devices: int, tensor_parallel: int, pipeline_parallel: int) -> int:
+    """The GPUs a node of a trial or a `stage=prepare` job needs: one per rank (train.devices), and the data engine's
+    tensor × pipeline size (vLLM spreads the target over them: a 70B or MoE target's prepare job on its 8 GPUs)."""
+    return max(int(devices), int(tensor_parallel) * int(pipeline_parallel))
 
 
 def _slurm_python() -> str:

@@ -317,6 +317,8 @@ def cpu_kv_cache_bytes(job: dict, k: int | None, captured_layers: int = 0) -> in
         return CPU_KV_CACHE_MAX
     if job["mode"] == "capture":
         requests = [(s, 1) for shard in job["shards"].values() for s in shard["input_ids"]]
+    elif job["mode"] == "self_chat":  # one batch's samples of the prefix at once (eaglelab.data.self_chat)
+        requests = [(job["prefix"], job["settings"]["max_new_tokens"])] * job["settings"]["batch_size"]
     elif job["mode"] == "generate" and "max_tokens" not in job:  # conversations: a prompt grows to the window
         requests = [(range(job["max_model_len"]), 0) for shard in job["shards"].values() for _ in shard]
     elif job["mode"] == "generate":

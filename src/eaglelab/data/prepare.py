@@ -47,6 +47,7 @@ from eaglelab.data.store import (
     is_complete,
     mark_complete,
     remove_entry,
+    shard_lengths,
     shard_lock,
     shard_name,
     shards_done,
@@ -97,20 +98,37 @@ def cache_key(**parts) -> str:
     """A hash of `parts` as `json.dumps(parts, sort_keys=True, default=str)` writes them, streamed: a list part
     (every prompt's token ids: ~7 characters a token) is written and hashed item by item, never as one string of
     the whole set. Token ids may be numpy arrays (written as their lists)."""
-    digest = hashlib.sha256()
+    return cache_keys("", [None], **parts)[0]
+
+
+def cache_keys(vary: str, values: list, **parts) -> list[str]:
+    """`cache_key(**parts, vary=value)` for each of `values` (`vary=""`: of `parts` alone), the parts that come before
+    `vary` in key order (the prompts among them) hashed once."""
+    names = sorted([*parts, vary] if vary else parts)
+    at = names.index(vary) if vary else len(names)
+    head = hashlib.sha256()
+    for n, name in enumerate(names[:at]):
+        _hash_part(head, n, name, parts[name])
+    keys = []
+    for value in values:
+        digest = head.copy()
+        for n, name in enumerate(names[at:], start=at):
+            _hash_part(digest, n, name, value if name == vary else parts[name])
+        digest.update(b"}")
+        keys.append(digest.hexdigest()[:20])
+    return keys
+
+
+def _hash_part(digest, n: int, name: str, value) -> None:
     dumps = lambda x: json.dumps(x, sort_keys=True, default=_jsonable)  # noqa: E731
-    for n, key in enumerate(sorted(parts)):
-        digest.update(f"{', ' if n else '{'}{dumps(key)}: ".encode())
-        value = parts[key]
-        if isinstance(value, list):  # (json's own separators: "[a, b]")
-            digest.update(b"[")
-            for i, item in enumerate(value):
-                digest.update(f"{', ' if i else ''}{dumps(item)}".encode())
-            digest.update(b"]")
-        else:
-            digest.update(dumps(value).encode())
-    digest.update(b"}")
-    return digest.hexdigest()[:20]
+    digest.update(f"{', ' if n else '{'}{dumps(name)}: ".encode())
+    if isinstance(value, list):  # (json's own separators: "[a, b]")
+        digest.update(b"[")
+        for i, item in enumerate(value):
+            digest.update(f"{', ' if i else ''}{dumps(item)}".encode())
+        digest.update(b"]")
+    else:
+        digest.update(dumps(value).encode())
 
 
 def _jsonable(x):
@@ -132,6 +150,7 @@ class CaptureSettings:
     capture_backend: str = "hf"  # hf | vllm: who captures the states (hf with an hf regeneration: in the same pass)
     tensor_parallel_size: int = 1  # the data engine's devices (vLLM), regeneration and capture alike
     pipeline_parallel_size: int = 1
+    scratch_dir: str = "/tmp"  # node-local: vLLM's capture connector writes its per-request files there
 
 
 def prepare_features(
@@ -152,6 +171,7 @@ def prepare_features(
     capture_backend: str = "hf",
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
+    scratch_dir: str | Path = "/tmp",
     render=None,
     features: str = "cached",
     with_final: bool = False,
@@ -237,7 +257,12 @@ def prepare_features(
 
     # 2-3. Regeneration by the target and capture of its states, each cached under its own key. A shard whose
     # tokens and states are both missing is done in one pass (states from the forward that generated them).
-    regen_key = cache_key(
+    # An entry that keeps more than this call asks for (longer tails, the final state) serves it too: the first
+    # complete one of them is used instead of preparing another copy (eaglelab.data.stage.training_entry).
+    tails = [tail_tokens] + [t for t in COVERING_TAILS if t > tail_tokens]
+    regen_keys = cache_keys(
+        "tail_tokens",
+        tails,
         v=CACHE_VERSION,
         source=source,
         responses=originals or "regenerate",
@@ -249,7 +274,6 @@ def prepare_features(
         batch_size=batch_size,
         shard_size=shard_size,
         backend=backend,
-        tail_tokens=tail_tokens,
         stop_token_ids=stops,
         # (part of the key only where turns change the sequences: entries of one-turn prompts keep their keys)
         **({"turns": [c for c, m in zip(conversations, multi) if m]} if any(multi) else {}),
@@ -257,7 +281,17 @@ def prepare_features(
     # (the capture backend is part of the key only when not HF's: entries made before it existed stay valid)
     # (hybrid's states are computed by the HF target in training, whatever captures a cached run's)
     captured_by = {"capture": capture_backend} if capture_backend != "hf" and states else {}
-    feat_key = cache_key(v=CACHE_VERSION, regen=regen_key, aux=list(aux_layer_ids), final=with_final, **captured_by)
+    feat_of = lambda regen, final: cache_key(  # noqa: E731
+        v=CACHE_VERSION, regen=regen, aux=list(aux_layer_ids), final=final, **captured_by
+    )
+    asked = (tail_tokens, with_final)
+    tail_tokens, regen_key, with_final = _covering_entry(
+        cache_dir, tails, regen_keys, with_final, feat_of, features != "online"
+    )
+    feat_key = feat_of(regen_key, with_final)
+    if (tail_tokens, with_final) != asked:
+        log.info("%s: the prepared entry with %d-token tails%s serves this run too", name, tail_tokens,
+                 " and the final state" if with_final else "")  # fmt: skip
     parallel = {"tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size}
     regen_dir, feat_dir = cache_dir / "regen" / regen_key, cache_dir / "features" / feat_key
     state_bytes = len(aux_layer_ids) * target.hidden_size * 2 + 4 + (target.hidden_size * 2 if with_final else 0)
@@ -282,8 +316,9 @@ def prepare_features(
     if not stats.regen_cached:
         fused = states and not stats.capture_cached and backend == capture_backend == "hf" and not originals
         fused = fused and turned is None  # (a multi-turn sequence's earlier answers are labelled by a second pass)
+        most = [sum(min(sizes[j] + max_new_tokens + tail_tokens, limit) for j in shard) for shard in shards]
         stats.shards_regenerated = _take_shards(
-            len(shards), share, regen_dir,
+            most, share, regen_dir,
             lambda todo: _regenerate(
                 target, templated, is_val, shards, regen_dir, feat_dir if fused else None, aux_layer_ids, with_final,
                 max_new_tokens=max_new_tokens, limit=limit, batch_size=batch_size, backend=backend,
@@ -309,13 +344,15 @@ def prepare_features(
             workdir = cache_dir / "logs" / f"capture-{feat_key}"
             capture = lambda todo: _capture_vllm(  # noqa: E731
                 target, tokens, shards, feat_dir, aux_layer_ids, with_final, name, todo, workdir=workdir,
-                parallel=parallel,
+                parallel=parallel, scratch_dir=Path(scratch_dir).expanduser(),
             )  # fmt: skip
         else:
             capture = lambda todo: _capture(  # noqa: E731
                 target, tokens, shards, feat_dir, aux_layer_ids, with_final, capture_batch_size, name, only=todo
             )
-        stats.shards_captured = _take_shards(len(shards), share, feat_dir, capture)
+        lengths = tokens.lengths()
+        sizes_now = [int(lengths[rows].sum()) for _, rows in _shard_rows(shards)]
+        stats.shards_captured = _take_shards(sizes_now, share, feat_dir, capture)
         meta = state_shards_meta(_shard_rows(shards), with_final, aux_layer_ids=list(aux_layer_ids), regen=regen_key)
         with entry_lock(feat_dir):
             if not is_complete(feat_dir):
@@ -325,7 +362,9 @@ def prepare_features(
     cached = states or (features == "hybrid" and is_complete(feat_dir))
     if cached and not states and (why := damaged(feat_dir)):  # a hybrid run's published states: its writers' entry
         raise DataError(f"{name}: cache entry {feat_dir} is damaged ({why}); remove that folder and run again")
-    data = Sequences(TokenStore(regen_dir), StateStore(feat_dir) if cached else None, states_dir=feat_dir)
+    data = Sequences(
+        TokenStore(regen_dir), StateStore(feat_dir) if cached else None, states_dir=feat_dir, keeps_final=with_final
+    )
     lengths = data.tokens.lengths()
     stats.sequences = len(data)
     stats.tokens = int(lengths.sum())
@@ -333,55 +372,96 @@ def prepare_features(
     return data, stats
 
 
+# Tail lengths an entry may have been prepared with (eaglelab.acceptance.tail_tokens: powers of two from 8), looked
+# for when a run asks for a shorter one.
+COVERING_TAILS = (8, 16, 32, 64, 128, 256)
+
+
+def _covering_entry(
+    cache_dir: Path, tails: list[int], regen_keys: list[str], with_final: bool, feat_of, states: bool
+) -> tuple[int, str, bool]:
+    """(tails, regen key, with_final) of the entry to read or prepare for a request of `tails[0]` and `with_final`:
+    the first complete entry that holds at least that (its states complete too when `states`), else the first
+    whose tokens are complete (only states to capture), else the one asked for. `regen_keys[i]`: tails[i]'s key."""
+    complete = lambda kind, key: is_complete(cache_dir / kind / key)  # noqa: E731
+    for tail, key in zip(tails, regen_keys):
+        for final in [True] if with_final else [False, True]:
+            if complete("regen", key) and (not states or complete("features", feat_of(key, final))):
+                return tail, key, final
+    for tail, key in zip(tails, regen_keys):
+        if complete("regen", key):
+            return tail, key, with_final
+    return tails[0], regen_keys[0], with_final
+
+
 def check_disk_space(
     cache_dir: Path, name: str, prompt_lengths: list[int], shards: list[list[int]], regen_dir: Path,
     feat_dir: Path, *, max_new_tokens: int, limit: int, backend: str, state_bytes: int,
 ) -> None:  # fmt: skip
-    """Refuse, before any regeneration, a cache entry larger than the free space where it goes. A sequence holds
-    at most min(prompt + max_new_tokens, limit) tokens; a token shard stores 4 bytes per token (int32 ids), a
-    state shard `state_bytes` per token (the aux states' and the final state's bf16 bits, the int32 label).
-    Shards already on disk (a resumed preparation, a complete entry) are not counted again."""
+    """Refuse, before any regeneration, a cache entry that cannot fit in the free space where it goes; say so when it
+    may not. A sequence not yet regenerated holds at least its prompt and one token, at most min(prompt +
+    max_new_tokens, limit) tokens; one regenerated already (its states still to capture) holds what its token shard
+    says. A token shard stores 4 bytes per token (int32 ids), a state shard `state_bytes` per token (the aux states'
+    and the final state's bf16 bits, the int32 label). Shards already on disk are not counted again."""
     tokens_done, states_done = shards_done(regen_dir), shards_done(feat_dir)
-    need, states_need, sequences = 0, 0, 0
+    need, states_need, least, sequences = 0, 0, 0, 0
     for i, shard in enumerate(shards):
         write_tokens, write_states = i not in tokens_done, state_bytes > 0 and i not in states_done
         if not (write_tokens or write_states):
             continue
-        tokens = sum(min(prompt_lengths[j] + max_new_tokens, limit) for j in shard)
+        if write_tokens:
+            tokens = sum(min(prompt_lengths[j] + max_new_tokens, limit) for j in shard)
+            fewest = sum(min(prompt_lengths[j] + 1, limit) for j in shard)
+        else:  # measured: the regenerated sequences' own lengths
+            tokens = fewest = int(shard_lengths(regen_dir / shard_name(i)).sum())
         framing = len(shard) * SEQUENCE_FRAMING + SHARD_FRAMING
         responses_json = len(shard) * max_new_tokens * JSON_BYTES_PER_TOKEN if backend == "vllm" else 0
         sequences += len(shard)
         if write_tokens:
             need += tokens * 4 + framing + responses_json
+            least += fewest * 4 + framing
         if write_states:
             states_need += tokens * state_bytes + framing
+            least += fewest * state_bytes + framing
     free = free_bytes(cache_dir)
     if need + states_need <= free:
+        return
+    if least <= free:  # it fits if the responses stop early enough: a disk that fills up anyway is one clear line
+        log.warning(
+            "%s: caching this data needs %s to %s (responses that stop early to ones that use all of "
+            "max_new_tokens) and %s has %s free: it may fill up", name, size_text(least), size_text(need + states_need),
+            cache_dir, size_text(free),
+        )  # fmt: skip
         return
     if name == "train":
         fix = "lower data.num_prompts or data.max_length"
         fix += f", or use features=online (token ids only: ~{size_text(need)})" if states_need else ""
     else:  # the held-out set and the suites' sets
         fix = "lower eval.num_prompts (or the suite's num_prompts)"
+    per_token = f", {state_bytes} bytes of states per token" if states_need else ""
     raise ResourceError(
-        f"caching the {name} data needs up to {size_text(need + states_need)} ({sequences} sequences of at most "
-        f"{limit} tokens{f', {state_bytes} bytes of states per token' if states_need else ''}) but "
-        f"{cache_dir} has {size_text(free)} free; free space under paths.cache_dir, {fix}"
+        f"caching the {name} data needs at least {size_text(least)} and up to {size_text(need + states_need)} "
+        f"({sequences} sequences of at most {limit} tokens{per_token}) but {cache_dir} has {size_text(free)} free; "
+        f"free space under paths.cache_dir, {fix}"
     )
 
 
-CLAIM_AT_ONCE = 64  # shards one process takes in one go (one vLLM engine start; open locks stay well below ulimit)
+# Shards one process takes in one go (one vLLM engine start; open locks stay well below ulimit), and at most this many
+# tokens among them (at least one shard): an engine job's token ids are Python lists and JSON in both processes
+# (~50 bytes a token), so its size is bounded by this, not by the shard size times the context length.
+CLAIM_AT_ONCE, CLAIM_TOKENS = 64, 8_000_000
 
 
-def _take_shards(count: int, share: tuple[int, int], folder: Path, make) -> int:
-    """Shards 0..count-1 of `folder`'s entry (`shard-NNNNN.arrow` each), made by whoever holds each shard's lock
-    (`<cache>/locks/`), until every one is on disk or the entry is complete (another producer, e.g. a hybrid run,
-    published it). This process claims, without waiting, up to CLAIM_AT_ONCE that nobody holds from its own share
-    (shards rank, rank + W, ... of `share` = (rank, W)) and `make`s them; with none of its own left, it takes what
-    the others have not taken (a slow or missing rank's); when every missing shard is another's, it waits for one
-    and makes it itself if that holder died without making it. -> shards this process made."""
+def _take_shards(sizes: list[int], share: tuple[int, int], folder: Path, make) -> int:
+    """Shards 0..len(sizes)-1 of `folder`'s entry (`shard-NNNNN.arrow` each; `sizes`: their tokens, at most), made by
+    whoever holds each shard's lock (`<cache>/locks/`), until every one is on disk or the entry is complete (another
+    producer, e.g. a hybrid run, published it). This process claims, without waiting, up to CLAIM_AT_ONCE shards and
+    CLAIM_TOKENS tokens that nobody holds from its own share (shards rank, rank + W, ... of `share` = (rank, W)) and
+    `make`s them; with none of its own left, it takes what the others have not taken (a slow or missing rank's); when
+    every missing shard is another's, it waits for one and makes it itself if that holder died without making it.
+    -> shards this process made."""
     rank, world = share
-    order = list(range(count))
+    order = list(range(len(sizes)))
     lock = lambda i: shard_lock(folder, shard_name(i))  # noqa: E731
     done = lambda i: (folder / shard_name(i)).is_file()  # noqa: E731
     leases: dict = {}  # (lease locks: one per shard across the attempts below, so expired claims expire together)
@@ -392,7 +472,9 @@ def _take_shards(count: int, share: tuple[int, int], folder: Path, make) -> int:
             # This process's own share; only when none of it is left to take, what the others have not taken yet.
             for group in ([i for i in pending if i % world == rank], [i for i in pending if i % world != rank]):
                 for i in group:
-                    if len(claimed) == CLAIM_AT_ONCE:
+                    if claimed and (
+                        len(claimed) == CLAIM_AT_ONCE or sum(sizes[c] for c in claimed) + sizes[i] > CLAIM_TOKENS
+                    ):
                         break
                     claim = file_lock(lock(i), wait=False, leases=leases)
                     if claim.__enter__() and not done(i):
@@ -525,11 +607,12 @@ def _capture(
 
 def _capture_vllm(
     target, tokens: TokenStore, shards, feat_dir: Path, aux_layer_ids, with_final, name, only: list[int], *,
-    workdir: Path, parallel: dict,
+    workdir: Path, parallel: dict, scratch_dir: Path,
 ) -> int:  # fmt: skip
     """The state shards `only` not yet on disk, from a vLLM capture engine: one prefill of each finished sequence
     (prompt + response as one prompt), its states taken at the aux layers and the last layer
-    (eaglelab.data.vllm_capture), written by the engine's process."""
+    (eaglelab.data.vllm_capture), written by the engine's process. The connector's per-request files go to
+    `scratch_dir` (node-local), its job and log files to `workdir` (the cache's logs/, where an error names them)."""
     from eaglelab.vllm_engine import run_engine
 
     todo = sorted(set(only) - shards_done(feat_dir))
@@ -552,7 +635,7 @@ def _capture_vllm(
             "num_layers": target.num_layers,
             "layer_ids": list(aux_layer_ids),
             "with_final": with_final,
-            "storage": str(workdir / f"states-{socket.gethostname()}-{os.getpid()}"),  # this process's engine's
+            "storage": str(connector_dir(scratch_dir)),  # this process's engine's
             "shards": job_shards,
             "shard_paths": {str(i): str(feat_dir / rows_of[i][0]) for i in todo},
             "engines": len(todo),  # the progress bar counts shards
@@ -565,6 +648,11 @@ def _capture_vllm(
         module="eaglelab.data.vllm_capture",  # (its capture_job; vLLM is imported only in that process)
     )
     return len(todo)
+
+
+def connector_dir(scratch_dir: Path, pid: int | None = None) -> Path:
+    """The folder of one engine process's hidden-states connector files under the node-local `scratch_dir`."""
+    return Path(scratch_dir) / f"eaglelab-connector-{socket.gethostname()}-{pid or os.getpid()}"
 
 
 def _batches(order: list[int], lengths: list[int], batch_size: int, max_tokens: int = 8192):

@@ -8,13 +8,16 @@ candidates that run out of tokens, are too short or too long, or repeat an earli
 Candidates are generated in seeded batches and cached as they come (`<cache_dir>/prompts/self_chat/<key>/`,
 one JSONL file per batch, renamed into place when whole), so asking for more prompts later extends the same
 stream and a killed generation keeps its finished batches. The key holds everything that decides the text:
-the target, the prefix, the sampling settings and the seed. Filtering runs on read.
+the target, the prefix, the sampling settings and the seed (and the sampler: HF's `generate` here, or a vLLM engine
+in its own process where vLLM regenerates, `sample_job`: then the target's weights never load in this process, as
+the data stage's other engines keep them out of it). Filtering runs on read.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from dataclasses import asdict
 from pathlib import Path
@@ -97,6 +100,51 @@ def _sample_batch(target, prefix: list[int], stops: set[int], settings: SelfChat
     return rows
 
 
+def _sample_with_vllm(target, prefix: list[int], stops: set[int], settings: SelfChatSettings, engine: dict,
+                      folder: Path, batches: dict[int, int], workdir: Path) -> None:  # fmt: skip
+    """Batches {b: seed} sampled by a vLLM engine in its own process (`sample_job`), each written to `folder` as
+    `batch-<b>.jsonl` as it finishes."""
+    from eaglelab.vllm_engine import run_engine
+
+    job = {
+        "mode": "self_chat",
+        "target": str(target.path),
+        "dtype": str(target.dtype).split(".")[-1],
+        "max_model_len": len(prefix) + settings.max_new_tokens + 1,
+        "prefix": prefix,
+        "stop_token_ids": sorted(stops),
+        "settings": asdict(settings),
+        "batches": {str(b): s for b, s in batches.items()},
+        "folder": str(folder),
+        "engines": len(batches),  # the progress bar counts batches
+        **engine,
+    }
+    run_engine(job, workdir, desc="self_chat (vLLM)", module=__name__)
+
+
+def sample_job(job: dict) -> dict:
+    """The engine's process (`python -m eaglelab.data.self_chat JOB OUT`): each batch is `batch_size` samples from the
+    user-turn prefix, seeded with its own seed (a batch's text does not depend on which others share its engine),
+    a candidate closed where the target ended its turn (a stop id)."""
+    from vllm import SamplingParams
+
+    from eaglelab.vllm_engine import make_engine, progress
+
+    s = job["settings"]
+    llm = make_engine(job)
+    for b, seed in job["batches"].items():
+        # A request per sample, each seeded: one request of n samples draws the same n for every seed (vLLM 0.32)
+        params = [SamplingParams(temperature=s["temperature"], top_p=s["top_p"], seed=seed * 4096 + i,
+                                 max_tokens=s["max_new_tokens"], stop_token_ids=job["stop_token_ids"])
+                  for i in range(s["batch_size"])]  # fmt: skip
+        outs = llm.generate([{"prompt_token_ids": job["prefix"]}] * len(params), params, use_tqdm=False)
+        rows = [{"text": o.outputs[0].text, "closed": o.outputs[0].finish_reason == "stop"} for o in outs]
+        text = "".join(json.dumps(r) + "\n" for r in rows)
+        atomic_write_text(Path(job["folder"]) / f"batch-{int(b):05d}.jsonl", text)
+        progress(f"batch {b}")
+    return {}
+
+
 def self_chat_prompts(
     target,
     count: int,
@@ -105,16 +153,19 @@ def self_chat_prompts(
     system_prompt: str | None,
     seed: int,
     settings: SelfChatSettings | None = None,
+    engine: dict | None = None,
 ) -> list[Messages]:
     """`count` distinct user requests the target wrote, as single-turn conversations (fewer, with a warning, if
-    the target keeps repeating itself)."""
+    the target keeps repeating itself). `engine`: sampled by a vLLM engine with these settings (its
+    tensor_parallel_size, pipeline_parallel_size) instead of the HF model in this process."""
     from eaglelab.data.prepare import cache_key  # the one hashing rule of every cache entry
 
     settings = settings or SelfChatSettings()
     prefix = user_turn_prefix(target.tokenizer, system_prompt)
     stops = stop_ids(target)
+    sampler = {"sampler": "vllm"} if engine is not None else {}  # (HF's streams keep their keys)
     key = cache_key(source="self_chat", v=SELF_CHAT_VERSION, target=target.fingerprint, prefix=prefix,
-                    stops=sorted(stops), seed=seed, settings=asdict(settings))  # fmt: skip
+                    stops=sorted(stops), seed=seed, settings=asdict(settings), **sampler)  # fmt: skip
     folder = Path(cache_dir).expanduser() / "prompts" / "self_chat" / key
     folder.mkdir(parents=True, exist_ok=True)
     candidates: list[dict] = []
@@ -139,8 +190,15 @@ def self_chat_prompts(
                     bar = tqdm(
                         total=count, initial=min(kept, count), desc="self_chat prompts", unit="prompt", leave=False
                     )
-                rows = _sample_batch(target, prefix, stops, settings, seed=seed * 1_000_003 + b)
-                atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+                if engine is None:
+                    rows = _sample_batch(target, prefix, stops, settings, seed=seed * 1_000_003 + b)
+                    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+                else:  # one engine start for the batches this stream likely still needs (each seeded as here)
+                    rate = kept / b if b else settings.batch_size / 2
+                    more = min(max_batches - b, 1 + math.ceil(1.25 * (count - kept) / max(rate, 1.0)))
+                    _sample_with_vllm(target, prefix, stops, settings, engine, folder,
+                                      {b + i: seed * 1_000_003 + b + i for i in range(more)},
+                                      Path(cache_dir).expanduser() / "logs" / f"self_chat-{key}")  # fmt: skip
             candidates += [json.loads(line) for line in path.read_text().splitlines()]
     if bar is not None:
         bar.close()
@@ -153,3 +211,9 @@ def self_chat_prompts(
             count,
         )
     return [[{"role": "user", "content": t}] for t in texts]
+
+
+if __name__ == "__main__":  # a vLLM sampling engine's process (`_sample_with_vllm`)
+    from eaglelab.vllm_engine import main
+
+    main(sample_job)

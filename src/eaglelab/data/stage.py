@@ -61,6 +61,9 @@ def select_prompts(cfg: RunConfig, target: Target | None = None) -> Prompts:
     if target is not None:
 
         def self_chat(count: int) -> list:
+            # Written by the engine that regenerates: vLLM's keeps the target's weights out of this process
+            parallel = {"tensor_parallel_size": cfg.data.tensor_parallel_size}
+            parallel["pipeline_parallel_size"] = cfg.data.pipeline_parallel_size
             return self_chat_prompts(
                 target,
                 count,
@@ -68,6 +71,7 @@ def select_prompts(cfg: RunConfig, target: Target | None = None) -> Prompts:
                 system_prompt=cfg.data.system_prompt,
                 seed=cfg.data.seed,
                 settings=cfg.data.self_chat,
+                engine=parallel if regen_backend(cfg) == "vllm" else None,
             )
 
     train_prompts = mix_sources(
@@ -100,6 +104,7 @@ def capture_settings(cfg: RunConfig, model_cfg: Eagle3Config) -> CaptureSettings
         capture_backend=capture_backend(cfg, regen),
         tensor_parallel_size=cfg.data.tensor_parallel_size,
         pipeline_parallel_size=cfg.data.pipeline_parallel_size,
+        scratch_dir=cfg.paths.scratch_dir,
     )
 
 
@@ -123,8 +128,7 @@ def prepare_data(
             max_new_tokens=cfg.data.max_new_tokens,
             is_val=[False] * len(prompts.train) + [True] * len(prompts.validation),
             features=cfg.features.kind,
-            with_final=cfg.train.loss == "kl",  # the KL teacher's state; CE needs none
-            tail_tokens=tail_tokens(2 * cfg.train.ttt_steps),  # validation τ up to k = 2·ttt
+            **training_entry(cfg),
             source="+".join(cfg.data.sources) + ("" if cfg.data.responses == "regenerate" else ":original"),
             share=preparing_share(),  # each process regenerates its share of shards first
             turns=cfg.data.turns,
@@ -138,8 +142,7 @@ def prepare_data(
         name="eval",
         source=cfg.eval.prompts,
         max_new_tokens=cfg.eval.max_new_tokens,
-        tail_tokens=tail_tokens(max_k(cfg)),
-        with_final=any(cfg.eval.temperature),  # the target's distribution: sampling's simulated expectation
+        **held_out_entry(cfg),
         **asdict(capture),
     )
     for stage in ("regenerate", "capture"):
@@ -161,6 +164,21 @@ def prepare_data(
             }
         )
     return out
+
+
+def training_entry(cfg: RunConfig) -> dict:
+    """What the training set's cache entry keeps: the target's final state when the loss is KL (its teacher; CE
+    needs none) and tails for validation τ up to k = 2·ttt_steps, each widened to what the runs sharing the data
+    declare (data.keep_final, data.tail_for_ttt) so that one entry serves a sweep's every loss and TTT length."""
+    ttt = max(cfg.train.ttt_steps, cfg.data.tail_for_ttt)
+    return {"with_final": cfg.train.loss == "kl" or cfg.data.keep_final, "tail_tokens": tail_tokens(2 * ttt)}
+
+
+def held_out_entry(cfg: RunConfig) -> dict:
+    """What the held-out set's entry keeps: tails for the deepest k evaluated (at the widest TTT length sharing the
+    data), and the final state when sampling is evaluated (the target's distribution: its simulated expectation)."""
+    ttt = max(cfg.train.ttt_steps, cfg.data.tail_for_ttt)
+    return {"with_final": any(cfg.eval.temperature), "tail_tokens": tail_tokens(max_k(cfg, ttt))}
 
 
 def preparing_share() -> tuple[int, int]:

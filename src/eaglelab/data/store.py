@@ -132,6 +132,12 @@ def shards_done(folder: Path) -> set[int]:
     return {int(p.stem.split("-")[1]) for p in Path(folder).glob("shard-*.arrow")}
 
 
+def shard_lengths(path: Path) -> np.ndarray:
+    """The sequences' lengths in tokens of one token shard (its input_ids offsets, read in place)."""
+    offsets, _ = _list_arrays(pa.ipc.open_file(pa.memory_map(str(path))).read_all().column("input_ids"))
+    return np.diff(offsets)
+
+
 def mark_complete(folder: Path, meta: dict) -> None:
     """The entry is whole: complete.json, with every shard's size as written, so a copy that is not can be told."""
     shards = sorted(Path(folder).glob("*.arrow"))  # token or state shards; a hybrid run's are named by rank
@@ -294,9 +300,11 @@ class Sequences:
         states: StateStore | None = None,
         states_dir: Path | None = None,
         rows: list[int] | None = None,
+        keeps_final: bool = False,
     ):
         self.tokens, self.states = tokens, states
         self.states_dir = states_dir  # where this set's states are (or would be) cached
+        self.keeps_final = keeps_final  # whether those states hold the target's final state (or will: hybrid)
         self.rows = list(range(len(tokens))) if rows is None else list(rows)  # this view's rows in the stores
 
     def __len__(self) -> int:
@@ -309,7 +317,7 @@ class Sequences:
         return [values[r] for r in self.rows]
 
     def select(self, indices) -> Sequences:
-        return Sequences(self.tokens, self.states, self.states_dir, [self.rows[i] for i in indices])
+        return Sequences(self.tokens, self.states, self.states_dir, [self.rows[i] for i in indices], self.keeps_final)
 
     @property
     def stop_token_ids(self) -> list[int]:

@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 
+from eaglelab.data.prepare import connector_dir
 from eaglelab.targets import target_head
 from eaglelab.vllm_engine import (
     cuda_available,
@@ -229,7 +230,7 @@ def capture_outputs(job: dict, rows: list[dict]) -> None:
             row["sequence_rows"].append(i)
     if not sequences:
         return
-    storage = str(folder / "connector")
+    storage = str(connector_dir(spec["scratch_dir"]) if spec.get("scratch_dir") else folder / "connector")
     llm, engine_ids, head, device = capture_engine({**job, "storage": storage}, spec["layer_ids"],
                                                    [s[0] for s in sequences])  # fmt: skip
     ids = [s[0] for s in sequences]
