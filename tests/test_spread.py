@@ -95,3 +95,15 @@ def test_rank_zero_merges_the_ranks_rows_and_names_a_rank_that_failed():
     assert out["throughput"] == [{"c": 1}, {"c": 4}] and out["along"] == {("", 8): "x"}
     with pytest.raises(EaglelabError, match="rank 1's share of the suites evaluation: vLLM engine failed"):
         merged([{"held_out": b}, {"suites": {"error": "vLLM engine failed (exit 1)"}}])
+
+
+def test_with_engines_over_several_devices_only_each_groups_first_rank_starts_them():
+    """eval.vllm.tensor_parallel_size = p: local ranks 0, p, 2p, ... start engines over their p devices; the others
+    keep their drafter on the CPU and let go of their device memory first (eaglelab.pipeline.execute: on a GPU
+    only, which this box has not: what is checked here is who does which)."""
+    from eaglelab.spread import evaluators, runs_engines
+
+    assert [runs_engines(local, 1) for local in range(4)] == [True] * 4
+    assert [runs_engines(local, 2) for local in range(4)] == [True, False, True, False]
+    placements = [("a", 0), ("a", 1), ("a", 2), ("a", 3), ("b", 0), ("b", 1), ("b", 2), ("b", 3)]
+    assert evaluators(placements, 4) == [0, 4]

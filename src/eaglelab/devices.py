@@ -79,6 +79,14 @@ def local_cuda_device() -> torch.device:
     return torch.device("cuda", rank)
 
 
+def release_device_memory() -> None:
+    """What this process holds on its CUDA device and no longer uses, returned: tensors only a reference cycle still
+    holds (a finished trainer's module) collected, then the allocator's cached blocks freed. Nothing without CUDA."""
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def engine_placement(
     utilization: float | None = None, beside: int = 0, devices: int = 1, dealt: bool = False
 ) -> tuple[dict, dict]:
@@ -103,8 +111,7 @@ def engine_placement(
             f"of {current_ranks().world_size} with {torch.cuda.device_count()} visible; prepare the data alone first "
             "(stage=prepare, one process per node), or evaluate in one process (checkpoint=RUN_DIR)"
         )
-    gc.collect()  # tensors only a reference cycle still holds (a finished trainer's module) are freed first
-    torch.cuda.empty_cache()
+    release_device_memory()
     free, total = min((torch.cuda.mem_get_info(torch.device("cuda", i)) for i in group), key=lambda ft: ft[0] / ft[1])
     held = torch.cuda.memory_reserved(device)
     share = (free - ENGINE_HEADROOM_BYTES - beside) / total

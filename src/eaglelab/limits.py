@@ -102,8 +102,9 @@ def check_limits(
     estimate = estimate_memory(cfg, target, drafter, sets)
     log.info("memory estimate: %s", estimate)
     check_fits_memory(estimate)
-    if train_prompts and sets[0].name == "train":
-        for line in data_plan(cfg, drafter, sets[0]).lines(free_bytes(Path(cfg.paths.cache_dir).expanduser())):
+    train = next((s for s in sets if s.name == "train"), None)  # (none: every prompt too long, refused later)
+    if train_prompts and train is not None:
+        for line in data_plan(cfg, drafter, train).lines(free_bytes(Path(cfg.paths.cache_dir).expanduser())):
             log.info("data plan: %s", line)
     return estimate
 

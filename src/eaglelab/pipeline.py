@@ -21,7 +21,7 @@ from eaglelab import preemption
 from eaglelab.batches import OnlineStates
 from eaglelab.config import RunConfig, max_k
 from eaglelab.data.stage import capture_backend, check_same_prompts, prepare_data, regen_backend, select_prompts
-from eaglelab.devices import check_torch_build
+from eaglelab.devices import check_torch_build, release_device_memory
 from eaglelab.drafter import Eagle3Config, Eagle3Drafter
 from eaglelab.errors import ConfigError, EaglelabError
 from eaglelab.evaluate import Serving, as_evaluated, evaluate_held_out, evaluate_held_out_in_vllm, vllm_wanted
@@ -30,8 +30,9 @@ from eaglelab.io import atomic_write_text, flock_folder, writable_folder, write_
 from eaglelab.limits import as_disk_full, check_limits, measured_peaks
 from eaglelab.plots import plot_acceptance
 from eaglelab.ranks import barrier, broadcast, gather, is_primary, last_words, same_on_every_rank, trial_ranks
+from eaglelab.ranks import current as current_ranks
 from eaglelab.rundir import RunRecord, adopt_trained_settings, begin_attempt, end_attempt
-from eaglelab.spread import Spread, engine_jobs, rank_seconds
+from eaglelab.spread import Spread, engine_jobs, rank_seconds, runs_engines
 from eaglelab.suites import check_suites, evaluate_suites, prepare_suites
 from eaglelab.targets import Target, TargetWeights, load_target, target_device
 
@@ -213,13 +214,21 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
         barrier()  # the other ranks' engines read it once it is whole
     elif not primary:
         return {}
-    # Evaluated in float32 on the training device (Lightning's teardown leaves the module on the CPU).
-    drafter = as_evaluated(drafter, target_device(cfg.train.accelerator), weights.embed.dtype)
+    # Evaluated in float32 on the training device (Lightning's teardown leaves the module on the CPU); a rank whose
+    # device is part of another rank's engine (eval.vllm.tensor_parallel_size > 1) keeps it on the CPU and lets go of
+    # its device memory before any engine starts (Spread's first collective follows).
+    tp = cfg.eval.vllm.tensor_parallel_size
+    engines_here = not use_vllm or runs_engines(current_ranks().local_rank, tp)
+    device = target_device(cfg.train.accelerator) if engines_here else torch.device("cpu")
+    drafter = as_evaluated(drafter, device, weights.embed.dtype)
+    del weights
+    if not engines_here:
+        release_device_memory()
     # 5. Evaluate on the held-out prompts: simulated (rank 0), then in vLLM, its engine jobs spread over the ranks.
     record.evaluator = "simulated+vllm" if use_vllm else "simulated"
     jobs = engine_jobs(cfg, run_dir, drafter, serving, data.held_out, suites) if use_vllm else []
     engine, shares = {}, []
-    with Spread(jobs, cfg.eval.vllm.tensor_parallel_size, cfg.eval.vllm.timeout_s) as spread:
+    with Spread(jobs, tp, cfg.eval.vllm.timeout_s) as spread:
         if primary:  # first: if vLLM fails, the trained drafter and these tables stay
             with timer("evaluate"):
                 by_k, by_pos = evaluate_held_out(cfg, run_dir, drafter, data.held_out, metrics)

@@ -83,10 +83,15 @@ def engine_jobs(cfg, run_dir: Path, drafter, serving, held_out, suites) -> list[
     return jobs
 
 
+def runs_engines(local_rank: int, tensor_parallel_size: int) -> bool:
+    """Whether the rank of this local rank starts engines: every rank, or with p devices per engine the first of each
+    p consecutive local ranks (its engine over them; the others' devices are its)."""
+    return local_rank % tensor_parallel_size == 0
+
+
 def evaluators(placements: list[tuple[str, int]], tensor_parallel_size: int) -> list[int]:
-    """The ranks whose devices run engines: every rank, or with p devices per engine the first of each p consecutive
-    local ranks (its engine over them). `placements`: each rank's (host, local rank)."""
-    return [r for r, (_, local) in enumerate(placements) if local % tensor_parallel_size == 0]
+    """The ranks whose devices run engines (`runs_engines`). `placements`: each rank's (host, local rank)."""
+    return [r for r, (_, local) in enumerate(placements) if runs_engines(local, tensor_parallel_size)]
 
 
 def deal(jobs: list[Job], ranks: list[int], head_start: float = 1.0) -> list[Share]:
