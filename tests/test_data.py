@@ -515,6 +515,9 @@ def test_an_entry_that_keeps_more_serves_every_loss_and_ttt_length(tiny, tmp_pat
         served, stats = prepare_features(tiny, prompts, with_final=with_final, tail_tokens=tail, **kw)
         assert stats.shards_regenerated == stats.shards_captured == 0, (with_final, tail)
         assert served.tokens.folder == widest.tokens.folder and served.states.folder == widest.states.folder
+        for i in range(len(served)):  # validation reads the tail asked for, not all the entry keeps
+            item = served.item(i, with_states=False, with_tail=True)
+            assert len(item["input_ids"]) - item["seq_len"] == min(tail, len(widest.tokens.tail(i)))
     # the other way round: a KL trial after a CE-only entry captures the final state (no new regeneration), and a
     # deeper TTT than the entry's tails regenerates
     narrow_dir = tmp_path / "narrow"
@@ -531,9 +534,13 @@ def test_an_entry_that_keeps_more_serves_every_loss_and_ttt_length(tiny, tmp_pat
         assert torch.equal(narrow.item(i)["aux"], widest.item(i)["aux"])
 
 
-def test_cache_keys_hash_the_shared_parts_once_and_equal_cache_key():
-    from eaglelab.data.prepare import cache_key, cache_keys
+def test_cache_keys_hash_the_shared_parts_once_and_equal_the_keys_entries_have():
+    """One key per tail length, each the hash of json.dumps of the whole (how every entry's key was made)."""
+    import hashlib
+
+    from eaglelab.data.prepare import cache_keys
 
     parts = dict(v=5, source="a", prompts=[[1, 2, 3], [4]], target={"z": 1}, turns=[])
-    assert cache_keys("tail_tokens", [8, 16], **parts) == [cache_key(**parts, tail_tokens=t) for t in (8, 16)]
-    assert cache_keys("", [None], **parts) == [cache_key(**parts)]
+    whole = lambda p: hashlib.sha256(json.dumps(p, sort_keys=True, default=str).encode()).hexdigest()[:20]  # noqa: E731
+    assert cache_keys("tail_tokens", [8, 16], **parts) == [whole({**parts, "tail_tokens": t}) for t in (8, 16)]
+    assert cache_keys("", [None], **parts) == [whole(parts)]

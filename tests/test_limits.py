@@ -425,7 +425,7 @@ def test_the_data_plan_of_an_8b_target_at_200k_conversations():
 
     p = plan("llama-3.1-8b", 200_000, 2048, [])
     assert (p.bytes_per_token, p.tokens, p.disk) == (24_584, 409_600_000, 409_600_000 * 24_584)
-    assert p.epoch_read == 409_600_000 * 24_580 and p.step_tokens * p.states_per_token == 32_768 * 24_580
+    assert p.epoch_read == 409_600_000 * 24_584 and p.step_tokens * p.bytes_per_token == 32_768 * 24_584
     lines = p.lines(free=2 * 10**12)
     assert lines[0].startswith("the training set holds at most 10.1 TB in the cache (200,000 sequences")
     assert lines[0].endswith("; 2.0 TB free there")

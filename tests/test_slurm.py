@@ -7,6 +7,7 @@ scripts/setup.sh installs."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -88,7 +89,8 @@ def test_grid_through_the_slurm_launcher_after_its_prepare_job(slurm, tmp_path):
     runs = sorted(sweep.glob("*/metrics.json"))
     assert len(runs) == 2
     assert [json.loads(r.read_text())["data/shards_prepared"] for r in runs] == [0, 0]
-    assert proc.stdout.count("; data shards prepared") == 0 and "0_eagle3.1_s0: eagle3.1 seed 0" in proc.stdout
+    assert "0_eagle3.1_s0: eagle3.1 seed 0" in proc.stdout and not re.search(r"; \d+ data shards prepared", proc.stdout)
+    assert re.search(r"0_eagle3.1_s0: \d+ data shards prepared in ", prepare.stdout), prepare.stdout[-2000:]
     labels = {
         (
             json.loads((r.parent / "run.json").read_text())["variant"],

@@ -153,9 +153,11 @@ class SelfChatSettings:
     max_chars: int = 400
 
     def __post_init__(self):
-        if not (self.temperature > 0 and 0 < self.top_p <= 1 and self.max_new_tokens > 0 and self.batch_size > 0):
+        if not (
+            self.temperature > 0 and 0 < self.top_p <= 1 and self.max_new_tokens > 0 and 0 < self.batch_size <= 4096
+        ):
             raise ConfigError(
-                "data.self_chat needs temperature > 0, 0 < top_p <= 1, max_new_tokens > 0 and batch_size > 0"
+                "data.self_chat needs temperature > 0, 0 < top_p <= 1, max_new_tokens > 0 and 0 < batch_size <= 4096"
             )
         if not 0 < self.min_chars <= self.max_chars:
             raise ConfigError("data.self_chat needs 0 < min_chars <= max_chars")

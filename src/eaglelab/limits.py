@@ -301,9 +301,8 @@ class DataPlan:
 
     sequences: int
     tokens: int  # at most: each prompt + its max_new_tokens, within data.max_length
-    bytes_per_token: int  # on disk: int32 ids (tokens), the int32 label and the states' bf16 bits (states)
-    states_per_token: int  # of those, what a training step reads per token besides the ids
-    epoch_read: int  # bytes an epoch reads: the states of the training split
+    bytes_per_token: int  # on disk, and read per token: int32 ids (tokens), the int32 label and the states' bf16 bits
+    epoch_read: int  # bytes an epoch reads: the tokens and states of the training split
     step_tokens: int  # tokens a step trains on, per rank
     flops_per_token: float  # the drafter's dense FLOPs per trained token, forward and backward, all TTT steps
     on_gpu: bool
@@ -319,14 +318,14 @@ class DataPlan:
             f"≤ {self.tokens:,} tokens × {self.bytes_per_token:,} bytes)"
             + (f"; {size_text(free)} free there" if free is not None else ""),
             f"an epoch reads at most {size_text(self.epoch_read)}; a step of {self.step_tokens:,} tokens reads "
-            f"{size_text(self.step_tokens * self.states_per_token)} per rank",
+            f"{size_text(self.step_tokens * self.bytes_per_token)} per rank",
         ]
-        if self.on_gpu and self.states_per_token:
+        if self.on_gpu:
             rate = ASSUMED_UTILIZATION * PEAK_FLOPS / self.flops_per_token
             out.append(
                 f"at {rate / 1e3:,.0f}k tokens/s per GPU ({ASSUMED_UTILIZATION:.0%} of {PEAK_FLOPS / 1e12:.0f} "
                 f"TFLOP/s on the drafter's {self.flops_per_token / 1e9:.1f} GFLOP a token) each GPU reads "
-                f"{size_text(rate * self.states_per_token)}/s"
+                f"{size_text(rate * self.bytes_per_token)}/s"
             )
         return out
 
@@ -346,8 +345,7 @@ def data_plan(cfg: RunConfig, d: Eagle3Config, train: PromptSet) -> DataPlan:
         sequences=train.sequences,
         tokens=train.tokens_bound,
         bytes_per_token=4 + states,
-        states_per_token=states,
-        epoch_read=int(train.tokens_bound * train.trained_on / max(train.sequences, 1)) * states,
+        epoch_read=int(train.tokens_bound * train.trained_on / max(train.sequences, 1)) * (4 + states),
         step_tokens=step,
         flops_per_token=float(flops),
         on_gpu=on_cuda(cfg.train.accelerator),
@@ -604,7 +602,8 @@ def train_bytes(
     optimizer = trainable * p * 4 + (trainable * lowp if lowp < p else 0)  # + autocast's 16-bit weight copies
     B, T, S, response = batch_rows(train, data), data.sequence, train.ttt_steps, data.response
     kl = train.loss == "kl"
-    inputs = B * T * (len(d.aux_layer_ids) + kl) * d.target_hidden_size * 6  # the stored 16 bits, then float32
+    final = kl or (cfg.features.kind == "hybrid" and cfg.data.keep_final)  # (a hybrid run publishes what it keeps)
+    inputs = B * T * (len(d.aux_layer_ids) + final) * d.target_hidden_size * 6  # the stored 16 bits, then float32
     rows = B * response  # labelled positions: the responses'
     kept = ttt_kept_bytes(B, T, S, response, d, lowp, stream, train.activation_checkpointing, kl)
     step = kept + unroll_alive_bytes(B, T, S, rows, d, lowp, stream, kl=kl)

@@ -125,7 +125,7 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
     # A run whose stages run the HF model (HF regeneration or capture, online features) is refused first when it
     # cannot hold it (a cache already complete would not need it: the check does not know that yet).
     hf_model = trains_online or "hf" in (regen, captures)
-    if captures == "vllm" or use_vllm:  # vLLM's hidden-states connector: the data's capture, the parity along vLLM
+    if captures == "vllm" or (use_vllm and cfg.eval.vllm.parity_along_vllm):  # vLLM's hidden-states connector runs
         flock_folder(Path(cfg.paths.scratch_dir).expanduser(), "paths.scratch_dir (or TMPDIR)",
                      "vLLM's hidden-states connector")  # fmt: skip
     with timer("convert"):  # the target (SmolLM2's GGUF converted once, then cached), where training runs
@@ -175,8 +175,11 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
     serving = Serving(target.path, target.max_context)
     # Online and hybrid features keep the frozen target for training; otherwise it is freed before training. (The final
     # state: the KL teacher's, and what a hybrid run publishes when its entry keeps it, data.keep_final.)
+    final = cfg.train.loss == "kl" or (
+        cfg.features.kind == "hybrid" and data.train is not None and data.train.keeps_final
+    )
     online = (
-        OnlineStates(target.model, model_cfg.aux_layer_ids, data.train.keeps_final)
+        OnlineStates(target.model, model_cfg.aux_layer_ids, final)
         if drafter is None and cfg.features.kind != "cached"
         else None
     )

@@ -102,7 +102,7 @@ def train_drafter(
             ),
             tokens_per_batch=cfg.train.tokens_per_batch,
         ),
-        **loader_options(cfg.train, batch_bytes(features, cfg.train, train_idx)),
+        **loader_options(cfg.train, batch_bytes(features, cfg, model_cfg, train_idx)),
     )
     module.train_batches = loader.batch_sampler
     # Each rank validates its share of the validation sequences (the counts are summed over the ranks before τ and
@@ -116,7 +116,7 @@ def train_drafter(
             ),
             batch_size=cfg.train.batch_size,
             collate_fn=collate,
-            **loader_options(cfg.train, batch_bytes(features, cfg.train, val_idx)),
+            **loader_options(cfg.train, batch_bytes(features, cfg, model_cfg, val_idx)),
         )
         if val_set
         else None
@@ -176,11 +176,14 @@ def loader_options(t: TrainConfig, batch_bytes: int = 0) -> dict:
     return {"pin_memory": cuda, "num_workers": workers, "prefetch_factor": ahead, "persistent_workers": True}
 
 
-def batch_bytes(features, train: TrainConfig, indices: list[int]) -> int:
+def batch_bytes(features, cfg: RunConfig, d: Eagle3Config, indices: list[int]) -> int:
     """A training batch's bytes in host memory, at most: its tokens (train.tokens_per_batch, or batch_size of the
-    longest sequences) × what the loader holds per token (the stored states, the label, the int64 id)."""
-    item = features.item(indices[0], with_final=train.loss == "kl") if indices else {}
-    per_token = 8 + 8 + sum(item[k].shape[-1] * item[k].element_size() for k in ("aux", "final") if k in item)
+    longest sequences) × what the loader holds per token: the int64 id and label, and, unless the states are computed
+    online, the stored states (bf16: the aux layers', the final state for KL). A hybrid run's first epoch holds less,
+    but its workers live on into the epochs that read the states."""
+    train = cfg.train
+    states = len(d.aux_layer_ids) + (train.loss == "kl")
+    per_token = 8 + 8 + (0 if cfg.features.kind == "online" else states * d.target_hidden_size * 2)
     lengths = features.tokens.lengths()
     longest = int(max((lengths[features.rows[i]] for i in indices), default=0))
     return (train.tokens_per_batch or train.batch_size * longest) * per_token

@@ -298,7 +298,8 @@ def prepare_features(
     check_disk_space(
         cache_dir, name, sizes, shards, regen_dir, feat_dir,
         max_new_tokens=max_new_tokens + tail_tokens, limit=limit, backend=backend,
-        state_bytes=state_bytes if features != "online" else 0,  # hybrid writes them in its first epoch
+        # (hybrid writes them in its first epoch; a complete entry, e.g. one a hybrid run published: nothing to write)
+        state_bytes=state_bytes if features != "online" and not is_complete(feat_dir) else 0,
     )  # fmt: skip
     t0 = time.perf_counter()
     with contextlib.ExitStack() as locks:
@@ -365,6 +366,7 @@ def prepare_features(
     data = Sequences(
         TokenStore(regen_dir), StateStore(feat_dir) if cached else None, states_dir=feat_dir, keeps_final=with_final
     )
+    data.tail_tokens = asked[0]  # (an entry with longer tails serves it: validation reads only what was asked)
     lengths = data.tokens.lengths()
     stats.sequences = len(data)
     stats.tokens = int(lengths.sum())

@@ -37,6 +37,7 @@ _SENTINEL = "\u2063EAGLELAB_USER_TEXT\u2063"  # an invisible separator: no templ
 
 
 SELF_CHAT_VERSION = 1  # bump when generation or filtering changes meaning
+SAMPLES_PER_SEED = 4096  # vLLM's seeds of a batch's samples: batch seed × this + i (data.self_chat.batch_size at most)
 
 
 def user_turn_prefix(tokenizer, system_prompt: str | None) -> list[int]:
@@ -133,8 +134,9 @@ def sample_job(job: dict) -> dict:
     s = job["settings"]
     llm = make_engine(job)
     for b, seed in job["batches"].items():
-        # A request per sample, each seeded: one request of n samples draws the same n for every seed (vLLM 0.32)
-        params = [SamplingParams(temperature=s["temperature"], top_p=s["top_p"], seed=seed * 4096 + i,
+        # A request per sample, each seeded (batch_size <= SAMPLES_PER_SEED: batch b's seeds never meet batch b + 1's):
+        # one request of n samples draws the same n for every seed (vLLM 0.32)
+        params = [SamplingParams(temperature=s["temperature"], top_p=s["top_p"], seed=seed * SAMPLES_PER_SEED + i,
                                  max_tokens=s["max_new_tokens"], stop_token_ids=job["stop_token_ids"])
                   for i in range(s["batch_size"])]  # fmt: skip
         outs = llm.generate([{"prompt_token_ids": job["prefix"]}] * len(params), params, use_tqdm=False)

@@ -305,6 +305,7 @@ class Sequences:
         self.tokens, self.states = tokens, states
         self.states_dir = states_dir  # where this set's states are (or would be) cached
         self.keeps_final = keeps_final  # whether those states hold the target's final state (or will: hybrid)
+        self.tail_tokens: int | None = None  # tail tokens `item(with_tail=True)` gives (None: all that are stored)
         self.rows = list(range(len(tokens))) if rows is None else list(rows)  # this view's rows in the stores
 
     def __len__(self) -> int:
@@ -317,7 +318,9 @@ class Sequences:
         return [values[r] for r in self.rows]
 
     def select(self, indices) -> Sequences:
-        return Sequences(self.tokens, self.states, self.states_dir, [self.rows[i] for i in indices], self.keeps_final)
+        view = Sequences(self.tokens, self.states, self.states_dir, [self.rows[i] for i in indices], self.keeps_final)
+        view.tail_tokens = self.tail_tokens
+        return view
 
     @property
     def stop_token_ids(self) -> list[int]:
@@ -338,7 +341,8 @@ class Sequences:
         if len(spans := self.tokens.spans(r)):  # a multi-turn conversation's earlier assistant turns
             item["spans"] = torch.from_numpy(spans.astype(np.int64))
         if with_tail:
-            item["input_ids"] = torch.from_numpy(np.concatenate([ids, self.tokens.tail(r)]).astype(np.int64))
+            tail = self.tokens.tail(r)[: self.tail_tokens]
+            item["input_ids"] = torch.from_numpy(np.concatenate([ids, tail]).astype(np.int64))
         if with_states and self.states is not None:
             states = self.states.read(r)
             item["aux"], item["target_next"] = states["aux"], states["target_next"]
