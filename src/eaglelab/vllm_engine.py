@@ -133,7 +133,7 @@ def run_engine(
     }
     with (
         open(log_path, "w", buffering=1) as log,
-        tqdm(total=job.get("engines", 1), desc=desc, unit="engine", leave=False) as bar,
+        tqdm(total=job.get("engines", 1), desc=desc, unit=job.get("unit", "engine"), leave=False) as bar,
     ):
         proc = subprocess.Popen(
             [sys.executable, "-m", module, str(job_path), str(out_path)],

@@ -118,6 +118,7 @@ def _sample_with_vllm(target, prefix: list[int], stops: set[int], settings: Self
         "batches": {str(b): s for b, s in batches.items()},
         "folder": str(folder),
         "engines": len(batches),  # the progress bar counts batches
+        "unit": "batch",
         **engine,
     }
     run_engine(job, workdir, desc="self_chat (vLLM)", module=__name__)
