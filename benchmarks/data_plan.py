@@ -44,7 +44,8 @@ def plan(target: str, conversations: int, tokens: int, overrides: list[str]):
         cfg.drafter, shape, aux_layer_ids=[2, L // 2, L - 3], draft_vocab_size=cfg.drafter.draft_vocab_size,
         max_context=tokens,
     )  # fmt: skip
-    data = PromptSet("train", 1, tokens, tokens, tokens, "", conversations, conversations, 0, conversations * tokens)
+    data = PromptSet("train", 1, tokens, tokens, tokens, "", trained_on=conversations, sequences=conversations,
+                     tokens_bound=conversations * tokens)  # fmt: skip
     return data_plan(cfg, drafter, data)
 
 

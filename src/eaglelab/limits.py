@@ -216,7 +216,6 @@ class PromptSet:
     bound: str  # what limits `sequence`, for an error line: "data.max_length=1024" or "sequences of up to 487 tokens"
     trained_on: int = 0  # sequences outside the validation split (the training set only)
     sequences: int = 0  # prompts kept (those with room for an answer)
-    prompt_tokens: int = 0  # their prompts' tokens, in the target's template
     tokens_bound: int = 0  # their sequences' tokens at most: each prompt + its max_new_tokens, within the limit
 
 
@@ -238,7 +237,6 @@ def prompt_sets(
         kept = [(n, m) for n, m in zip(sizes, prompts) if fits(m, n, limit, turn_by_turn)]
         totals = {
             "sequences": len(kept),
-            "prompt_tokens": sum(min(n, limit) for n, _ in kept),
             "tokens_bound": sum(min(n + max_new_tokens, limit) for n, _ in kept),
         }
         if kept:
@@ -332,10 +330,11 @@ class DataPlan:
 
 def data_plan(cfg: RunConfig, d: Eagle3Config, train: PromptSet) -> DataPlan:
     """The training set's disk and read figures for this run (`train`: its prompts, as `prompt_sets` counts them)."""
-    states = len(d.aux_layer_ids) * d.target_hidden_size * 2 + 4  # aux states (bf16) and the label (int32)
-    if cfg.train.loss == "kl" or cfg.data.keep_final:
-        states += d.target_hidden_size * 2  # the final state (eaglelab.data.stage.training_entry)
-    states = 0 if cfg.features.kind == "online" else states
+    from eaglelab.data.stage import training_entry  # (the data stage imports this module)
+    from eaglelab.data.store import state_bytes
+
+    with_final = training_entry(cfg)["with_final"]
+    states = 0 if cfg.features.kind == "online" else state_bytes(len(d.aux_layer_ids), d.target_hidden_size, with_final)
     mean = train.tokens_bound / max(train.sequences, 1)
     step = cfg.train.tokens_per_batch or int(cfg.train.batch_size * mean)
     fc = len(d.aux_layer_ids) * d.target_hidden_size * (d.hidden_size + 1)
@@ -601,8 +600,10 @@ def train_bytes(
     drafter = trainable * p + d.vocab_size * d.hidden_size * embed + teacher
     optimizer = trainable * p * 4 + (trainable * lowp if lowp < p else 0)  # + autocast's 16-bit weight copies
     B, T, S, response = batch_rows(train, data), data.sequence, train.ttt_steps, data.response
+    from eaglelab.data.stage import online_final  # (the data stage imports this module)
+
     kl = train.loss == "kl"
-    final = kl or (cfg.features.kind == "hybrid" and cfg.data.keep_final)  # (a hybrid run publishes what it keeps)
+    final = online_final(cfg)  # KL's teacher, or the final state a hybrid run publishes
     inputs = B * T * (len(d.aux_layer_ids) + final) * d.target_hidden_size * 6  # the stored 16 bits, then float32
     rows = B * response  # labelled positions: the responses'
     kept = ttt_kept_bytes(B, T, S, response, d, lowp, stream, train.activation_checkpointing, kl)

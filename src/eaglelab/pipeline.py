@@ -20,7 +20,14 @@ from omegaconf import OmegaConf
 from eaglelab import preemption
 from eaglelab.batches import OnlineStates
 from eaglelab.config import RunConfig, max_k
-from eaglelab.data.stage import capture_backend, check_same_prompts, prepare_data, regen_backend, select_prompts
+from eaglelab.data.stage import (
+    capture_backend,
+    check_same_prompts,
+    online_final,
+    prepare_data,
+    regen_backend,
+    select_prompts,
+)
 from eaglelab.devices import check_torch_build, release_device_memory
 from eaglelab.drafter import Eagle3Config, Eagle3Drafter
 from eaglelab.errors import ConfigError, EaglelabError
@@ -175,11 +182,8 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
     serving = Serving(target.path, target.max_context)
     # Online and hybrid features keep the frozen target for training; otherwise it is freed before training. (The final
     # state: the KL teacher's, and what a hybrid run publishes when its entry keeps it, data.keep_final.)
-    final = cfg.train.loss == "kl" or (
-        cfg.features.kind == "hybrid" and data.train is not None and data.train.keeps_final
-    )
     online = (
-        OnlineStates(target.model, model_cfg.aux_layer_ids, final)
+        OnlineStates(target.model, model_cfg.aux_layer_ids, online_final(cfg))
         if drafter is None and cfg.features.kind != "cached"
         else None
     )

@@ -102,7 +102,7 @@ def check_sweep_params(config: DictConfig) -> None:
         if o.is_sweep_override()
         for v in _values(o)[1:]
     ]
-    entries = {}  # what each probe's training and held-out cache entries keep
+    trials = []  # each probe's config, for what its cache entries keep
     for probe in probes:
         try:
             cfg = compose(config.hydra.job.config_name, overrides=probe)
@@ -118,8 +118,8 @@ def check_sweep_params(config: DictConfig) -> None:
             check_suites(run_cfg)
         except EaglelabError as e:
             _fail(f"a trial of this sweep would fail: {e}")
-        entries[tuple(probe)] = run_cfg
-    warn_copies(list(entries.values()))
+        trials.append(run_cfg)
+    warn_copies(trials)
 
 
 def warn_copies(trials: list) -> None:

@@ -184,9 +184,10 @@ def batch_bytes(features, cfg: RunConfig, d: Eagle3Config, indices: list[int]) -
     train = cfg.train
     states = len(d.aux_layer_ids) + (train.loss == "kl")
     per_token = 8 + 8 + (0 if cfg.features.kind == "online" else states * d.target_hidden_size * 2)
+    if train.tokens_per_batch:
+        return train.tokens_per_batch * per_token
     lengths = features.tokens.lengths()
-    longest = int(max((lengths[features.rows[i]] for i in indices), default=0))
-    return (train.tokens_per_batch or train.batch_size * longest) * per_token
+    return train.batch_size * int(max((lengths[features.rows[i]] for i in indices), default=0)) * per_token
 
 
 def validation_share(count: int, ranks) -> list[int]:

@@ -51,6 +51,7 @@ from eaglelab.data.store import (
     shard_lock,
     shard_name,
     shards_done,
+    state_bytes,
     state_shards_meta,
     write_token_shard,
 )
@@ -294,12 +295,12 @@ def prepare_features(
                  " and the final state" if with_final else "")  # fmt: skip
     parallel = {"tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size}
     regen_dir, feat_dir = cache_dir / "regen" / regen_key, cache_dir / "features" / feat_key
-    state_bytes = len(aux_layer_ids) * target.hidden_size * 2 + 4 + (target.hidden_size * 2 if with_final else 0)
+    per_token = state_bytes(len(aux_layer_ids), target.hidden_size, with_final)
     check_disk_space(
         cache_dir, name, sizes, shards, regen_dir, feat_dir,
         max_new_tokens=max_new_tokens + tail_tokens, limit=limit, backend=backend,
         # (hybrid writes them in its first epoch; a complete entry, e.g. one a hybrid run published: nothing to write)
-        state_bytes=state_bytes if features != "online" and not is_complete(feat_dir) else 0,
+        state_bytes=per_token if features != "online" and not is_complete(feat_dir) else 0,
     )  # fmt: skip
     t0 = time.perf_counter()
     with contextlib.ExitStack() as locks:
@@ -364,9 +365,9 @@ def prepare_features(
     if cached and not states and (why := damaged(feat_dir)):  # a hybrid run's published states: its writers' entry
         raise DataError(f"{name}: cache entry {feat_dir} is damaged ({why}); remove that folder and run again")
     data = Sequences(
-        TokenStore(regen_dir), StateStore(feat_dir) if cached else None, states_dir=feat_dir, keeps_final=with_final
-    )
-    data.tail_tokens = asked[0]  # (an entry with longer tails serves it: validation reads only what was asked)
+        TokenStore(regen_dir), StateStore(feat_dir) if cached else None, states_dir=feat_dir, keeps_final=with_final,
+        tail_tokens=asked[0],  # (an entry with longer tails serves it: validation reads only what was asked)
+    )  # fmt: skip
     lengths = data.tokens.lengths()
     stats.sequences = len(data)
     stats.tokens = int(lengths.sum())

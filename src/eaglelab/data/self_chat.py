@@ -101,6 +101,15 @@ def _sample_batch(target, prefix: list[int], stops: set[int], settings: SelfChat
     return rows
 
 
+def _batch_path(folder: Path, b: int) -> Path:
+    return folder / f"batch-{b:05d}.jsonl"
+
+
+def _write_batch(folder: Path, b: int, rows: list[dict]) -> None:
+    """Batch b's candidates, one JSON object a line, renamed into place when whole."""
+    atomic_write_text(_batch_path(folder, b), "".join(json.dumps(r) + "\n" for r in rows))
+
+
 def _sample_with_vllm(target, prefix: list[int], stops: set[int], settings: SelfChatSettings, engine: dict,
                       folder: Path, batches: dict[int, int], workdir: Path) -> None:  # fmt: skip
     """Batches {b: seed} sampled by a vLLM engine in its own process (`sample_job`), each written to `folder` as
@@ -142,8 +151,7 @@ def sample_job(job: dict) -> dict:
                   for i in range(s["batch_size"])]  # fmt: skip
         outs = llm.generate([{"prompt_token_ids": job["prefix"]}] * len(params), params, use_tqdm=False)
         rows = [{"text": o.outputs[0].text, "closed": o.outputs[0].finish_reason == "stop"} for o in outs]
-        text = "".join(json.dumps(r) + "\n" for r in rows)
-        atomic_write_text(Path(job["folder"]) / f"batch-{int(b):05d}.jsonl", text)
+        _write_batch(Path(job["folder"]), int(b), rows)
         progress(f"batch {b}")
     return {}
 
@@ -187,15 +195,14 @@ def self_chat_prompts(
                 break
             if b >= 2 and kept * max_batches < count * b:  # at this rate the stream cannot make `count`: stop early
                 break
-            path = folder / f"batch-{b:05d}.jsonl"
+            path = _batch_path(folder, b)
             if not path.exists():
                 if bar is None:
                     bar = tqdm(
                         total=count, initial=min(kept, count), desc="self_chat prompts", unit="prompt", leave=False
                     )
                 if engine is None:
-                    rows = _sample_batch(target, prefix, stops, settings, seed=seed * 1_000_003 + b)
-                    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+                    _write_batch(folder, b, _sample_batch(target, prefix, stops, settings, seed=seed * 1_000_003 + b))
                 else:  # one engine start for the batches this stream likely still needs (each seeded as here)
                     rate = kept / b if b else settings.batch_size / 2
                     more = min(max_batches - b, 1 + math.ceil(1.25 * (count - kept) / max(rate, 1.0)))

@@ -174,6 +174,12 @@ def training_entry(cfg: RunConfig) -> dict:
     return {"with_final": cfg.train.loss == "kl" or cfg.data.keep_final, "tail_tokens": tail_tokens(2 * ttt)}
 
 
+def online_final(cfg: RunConfig) -> bool:
+    """Whether states computed in training (online, hybrid features) include the target's final state: KL's teacher,
+    or what a hybrid run publishes into an entry that keeps it (data.keep_final)."""
+    return cfg.train.loss == "kl" or (cfg.features.kind == "hybrid" and cfg.data.keep_final)
+
+
 def held_out_entry(cfg: RunConfig) -> dict:
     """What the held-out set's entry keeps: tails for the deepest k evaluated (at the widest TTT length sharing the
     data), and the final state when sampling is evaluated (the target's distribution: its simulated expectation)."""

@@ -54,6 +54,12 @@ def shard_name(i: int) -> str:
     return f"shard-{i:05d}.arrow"
 
 
+def state_bytes(n_aux: int, hidden: int, with_final: bool) -> int:
+    """A state shard's bytes per token (`states_schema`): the aux states' bf16 bits, the int32 label, and the final
+    state's bf16 bits when kept."""
+    return (n_aux + with_final) * hidden * 2 + 4
+
+
 def states_schema(with_final: bool) -> pa.Schema:
     fields = [("aux", pa.list_(pa.uint16())), ("target_next", pa.list_(pa.int32()))]
     return pa.schema(fields + ([("final", pa.list_(pa.uint16()))] if with_final else []))
@@ -301,11 +307,12 @@ class Sequences:
         states_dir: Path | None = None,
         rows: list[int] | None = None,
         keeps_final: bool = False,
+        tail_tokens: int | None = None,
     ):
         self.tokens, self.states = tokens, states
         self.states_dir = states_dir  # where this set's states are (or would be) cached
         self.keeps_final = keeps_final  # whether those states hold the target's final state (or will: hybrid)
-        self.tail_tokens: int | None = None  # tail tokens `item(with_tail=True)` gives (None: all that are stored)
+        self.tail_tokens = tail_tokens  # tail tokens `item(with_tail=True)` gives (None: all that are stored)
         self.rows = list(range(len(tokens))) if rows is None else list(rows)  # this view's rows in the stores
 
     def __len__(self) -> int:
@@ -318,9 +325,8 @@ class Sequences:
         return [values[r] for r in self.rows]
 
     def select(self, indices) -> Sequences:
-        view = Sequences(self.tokens, self.states, self.states_dir, [self.rows[i] for i in indices], self.keeps_final)
-        view.tail_tokens = self.tail_tokens
-        return view
+        rows = [self.rows[i] for i in indices]
+        return Sequences(self.tokens, self.states, self.states_dir, rows, self.keeps_final, self.tail_tokens)
 
     @property
     def stop_token_ids(self) -> list[int]:
