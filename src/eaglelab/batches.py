@@ -50,17 +50,28 @@ class FeatureDataset(Dataset):
         with_final: bool,
         with_states: bool = True,
         with_tail: bool = False,
+        stream=None,
     ):
         self.sequences, self.indices = sequences, list(indices)
         self.with_final, self.with_states, self.with_tail = with_final, with_states, with_tail
+        # Streamed states (eaglelab.data.stream.StreamReader): items are asked for as (index, position in the stream)
+        self.stream = stream
 
     def __len__(self):
         return len(self.indices)
 
     def __getitem__(self, i):
-        return self.sequences.item(
-            self.indices[i], with_states=self.with_states, with_final=self.with_final, with_tail=self.with_tail
-        )
+        if self.stream is None:
+            return self.sequences.item(
+                self.indices[i], with_states=self.with_states, with_final=self.with_final, with_tail=self.with_tail
+            )
+        i, position = i
+        item = self.sequences.item(self.indices[i], with_states=False, with_tail=self.with_tail)
+        states = self.stream.read(position, item["seq_len"])
+        item["aux"], item["target_next"] = states["aux"], states["target_next"]
+        if self.with_final:
+            item["final"] = states["final"]
+        return item
 
 
 @dataclass

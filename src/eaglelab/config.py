@@ -227,6 +227,20 @@ class DataConfig:
 
 
 @dataclass
+class StreamConfig:
+    """features=stream (docs/streamed_states.md)."""
+
+    # HOST:PORT of a running mooncake_master (its RPC port); null: eaglelab starts one beside trainer rank 0
+    master: str | None = None
+    metadata_port: int = 8080  # that master's HTTP metadata server (--http_metadata_server_port), with `master`
+    # Store memory for samples published and not yet read (mounted by trainer rank 0): the engine runs at most this
+    # far ahead of the trainers. It must hold what the loaders read ahead of the step (checked before training).
+    window_gb: float = 1.0
+    restarts: int = 3  # times a dead engine is started again (resuming where it was) before the run fails
+    wait_s: float = 900.0  # a trainer waiting this long for one sample fails with one line (an engine's start counts)
+
+
+@dataclass
 class FeaturesConfig:
     """Where the target's hidden states come from during training (the `features` group).
 
@@ -235,9 +249,12 @@ class FeaturesConfig:
     online: only the token ids are cached; the frozen target runs inside every training and validation step
         on the training device. A few bytes per token; aux-layer and fc_norm ablations share one token cache.
     hybrid: online in the first epoch, the states it computed cached (shared like `cached`) for the later ones.
+    stream: only the token ids are cached; a vLLM capture engine streams each epoch's states to the trainers through
+        a Mooncake store (eaglelab.data.stream): nothing on disk per token, and the trainers never hold the target.
     The held-out evaluation sets are small and always cached."""
 
-    kind: Literal["cached", "online", "hybrid"] = "cached"
+    kind: Literal["cached", "online", "hybrid", "stream"] = "cached"
+    stream: StreamConfig = field(default_factory=StreamConfig)
 
 
 @dataclass

@@ -334,7 +334,8 @@ def data_plan(cfg: RunConfig, d: Eagle3Config, train: PromptSet) -> DataPlan:
     from eaglelab.data.store import state_bytes
 
     with_final = training_entry(cfg)["with_final"]
-    states = 0 if cfg.features.kind == "online" else state_bytes(len(d.aux_layer_ids), d.target_hidden_size, with_final)
+    on_disk = cfg.features.kind in ("cached", "hybrid")  # (online and streamed states are never on disk)
+    states = state_bytes(len(d.aux_layer_ids), d.target_hidden_size, with_final) if on_disk else 0
     mean = train.tokens_bound / max(train.sequences, 1)
     step = cfg.train.tokens_per_batch or int(cfg.train.batch_size * mean)
     fc = len(d.aux_layer_ids) * d.target_hidden_size * (d.hidden_size + 1)
@@ -418,8 +419,9 @@ def estimate_memory(cfg: RunConfig, target: Target, drafter: Eagle3Config, sets:
             if cfg.train.tokens_per_batch
             else f"train.batch_size={cfg.train.batch_size}"
         )
+        holds_target = cfg.features.kind in ("online", "hybrid")  # (streamed states come from an engine's process)
         stages["train"] = StageCost(
-            int(train_bytes(cfg, t, drafter, train, slack, device)) + (weights if cfg.features.kind != "cached" else 0),
+            int(train_bytes(cfg, t, drafter, train, slack, device)) + (weights if holds_target else 0),
             f"{batching} × {train.bound} × train.ttt_steps={cfg.train.ttt_steps}",
             f"{batching.split('=')[0]}, data.max_length or train.ttt_steps",
         )
@@ -609,7 +611,7 @@ def train_bytes(
     kept = ttt_kept_bytes(B, T, S, response, d, lowp, stream, train.activation_checkpointing, kl)
     step = kept + unroll_alive_bytes(B, T, S, rows, d, lowp, stream, kl=kl)
     validation = unroll_alive_bytes(B, T, 2 * S, rows, d, lowp, stream, kl=kl)
-    online = capture_bytes(t, len(d.aux_layer_ids), B * T, rows) if cfg.features.kind != "cached" else 0
+    online = capture_bytes(t, len(d.aux_layer_ids), B * T, rows) if cfg.features.kind in ("online", "hybrid") else 0
     kernels = kernel_cache_bytes(cfg, d, data) if device.type == "cpu" else 0
     return drafter + optimizer + slack * (inputs + online + max(step, validation)) + kernels
 

@@ -28,6 +28,7 @@ from eaglelab.data.stage import (
     regen_backend,
     select_prompts,
 )
+from eaglelab.data.stream import check_stream
 from eaglelab.devices import check_torch_build, release_device_memory
 from eaglelab.drafter import Eagle3Config, Eagle3Drafter
 from eaglelab.errors import ConfigError, EaglelabError
@@ -42,6 +43,7 @@ from eaglelab.rundir import RunRecord, adopt_trained_settings, begin_attempt, en
 from eaglelab.spread import Spread, engine_jobs, rank_seconds, runs_engines
 from eaglelab.suites import check_suites, evaluate_suites, prepare_suites
 from eaglelab.targets import Target, TargetWeights, load_target, target_device
+from eaglelab.vllm_engine import require_vllm
 
 log = logging.getLogger("eaglelab")
 
@@ -127,7 +129,7 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
     writable_folder(Path(os.path.expanduser(cfg.paths.cache_dir)), "paths.cache_dir (or EAGLELAB_CACHE_DIR)")
     use_vllm = vllm_wanted(cfg)
     regen = regen_backend(cfg)
-    trains_online = cfg.checkpoint is None and cfg.features.kind != "cached" and cfg.stage == "all"
+    trains_online = cfg.checkpoint is None and cfg.features.kind in ("online", "hybrid") and cfg.stage == "all"
     captures = capture_backend(cfg, regen)  # (a required but missing vLLM fails here)
     # A run whose stages run the HF model (HF regeneration or capture, online features) is refused first when it
     # cannot hold it (a cache already complete would not need it: the check does not know that yet).
@@ -135,6 +137,9 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
     if captures == "vllm" or (use_vllm and cfg.eval.vllm.parity_along_vllm):  # vLLM's hidden-states connector runs
         flock_folder(Path(cfg.paths.scratch_dir).expanduser(), "paths.scratch_dir (or TMPDIR)",
                      "vLLM's hidden-states connector")  # fmt: skip
+    if cfg.features.kind == "stream" and cfg.checkpoint is None:  # Mooncake here, the store reachable; vLLM streams
+        require_vllm()
+        check_stream(cfg.features.stream.master, cfg.features.stream.metadata_port)
     with timer("convert"):  # the target (SmolLM2's GGUF converted once, then cached), where training runs
         device = target_device(cfg.train.accelerator)
         target = load_target(cfg.target, cfg.paths.cache_dir, device=device, will_load=hf_model)
@@ -184,9 +189,14 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
     # state: the KL teacher's, and what a hybrid run publishes when its entry keeps it, data.keep_final.)
     online = (
         OnlineStates(target.model, model_cfg.aux_layer_ids, online_final(cfg))
-        if drafter is None and cfg.features.kind != "cached"
+        if drafter is None and cfg.features.kind in ("online", "hybrid")
         else None
     )
+    # Streamed states: the engine that captures them, in its own process (the trainers never hold the target)
+    stream_engine = {"target": str(target.path), "dtype": str(target.dtype).split(".")[-1],
+                     "num_layers": target.num_layers, "layer_ids": list(model_cfg.aux_layer_ids),
+                     "tensor_parallel_size": cfg.data.tensor_parallel_size,
+                     "pipeline_parallel_size": cfg.data.pipeline_parallel_size}  # fmt: skip
     metrics: dict[str, float | int] = {**data.metrics, "memory/target_loaded": int(target.loaded)}
     del target
     metrics.update(memory.metrics())
@@ -204,6 +214,7 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
                 data.train,
                 loggers=lambda: training_loggers(cfg, run_dir),
                 online=online,
+                stream_engine=stream_engine if cfg.features.kind == "stream" else None,
             )
         del online
         metrics.update(train_metrics)

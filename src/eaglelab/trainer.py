@@ -3,10 +3,12 @@ loggers, rolling checkpoints and resuming after a preemption."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import lightning as L
@@ -19,10 +21,12 @@ from eaglelab.data.vocab import draft_vocab
 from eaglelab.devices import keep_freed_memory
 from eaglelab.drafter import Eagle3Config, Eagle3Drafter
 from eaglelab.errors import EaglelabError
+from eaglelab.io import atomic_write_json
 from eaglelab.preemption import uninterruptible
 from eaglelab.ranks import cluster_environment, is_primary
 from eaglelab.ranks import current as current_ranks
 from eaglelab.rundir import keep_previous_log, merge_logs
+from eaglelab.streamed import PositionedBatches, PositionedValidation, StartMarker, StreamPlan, streamed_states
 from eaglelab.targets import TargetWeights
 from eaglelab.training import (
     AtomicCheckpointIO,
@@ -48,11 +52,13 @@ def train_drafter(
     features: Sequences,
     loggers: Callable[[], list | bool] = lambda: False,
     online: OnlineStates | None = None,
+    stream_engine: dict | None = None,
 ) -> tuple[Eagle3Drafter, dict]:
     """The train stage: draft vocabulary from the training split, init from the target, TTT training with
     Lightning (resumed from lightning/last.ckpt after an interruption). -> (trained drafter, train metrics).
     `loggers()` makes Lightning's loggers, once it is known that training runs. `online`: the frozen target
-    that computes the states of sequences stored without them (features=online, and hybrid's first epoch)."""
+    that computes the states of sequences stored without them (features=online, and hybrid's first epoch).
+    `stream_engine`: the target and placement of the engine that streams the states (features=stream)."""
 
     # Seeded here, right before anything random, so the result never depends on what ran before
     # (e.g. whether the data came from the cache or was just generated).
@@ -67,6 +73,7 @@ def train_drafter(
             "no training sequences left once the validation prompts are held out; raise data.num_prompts"
         )
     with_final = cfg.train.loss == "kl"
+    streamed = cfg.features.kind == "stream"  # (the states come from a stream: eaglelab.streamed)
     train_set = FeatureDataset(features, train_idx, with_final)
     val_set = FeatureDataset(features, val_idx, with_final, with_tail=True) if val_idx else None  # exact val τ
     draft_ids, coverage = draft_vocab(  # streamed: one sequence at a time, not an int64 copy of the set per rank
@@ -81,17 +88,18 @@ def train_drafter(
         module, target, draft_ids, cfg.drafter.init_lm_head_from_target, cfg.drafter.init_layers_from_target
     )
     module.target_head = head if cfg.train.loss == "kl" else None  # only KL reads the teacher's head
-    if features.states is None and online is None:
+    if features.states is None and online is None and not streamed:
         raise EaglelabError("these sequences have no cached states and no target was given to compute them")
     module.online = online
     if cfg.features.kind == "hybrid" and features.states is None:
         run_id = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]  # the same in every process
         # (the states it publishes are the entry's: with the final state when the entry keeps it, whatever the loss)
         module.hybrid = HybridStates(features, features.states_dir, features.keeps_final, run_id, cfg.data.shard_size)
+    train_options = loader_options(cfg.train, batch_bytes(features, cfg, model_cfg, train_idx))
     loader = ResumableLoader(
         train_set,
         collate_fn=collate,
-        batch_sampler=EpochBatches(
+        batch_sampler=(PositionedBatches if streamed else EpochBatches)(
             len(train_set),
             cfg.train.batch_size,
             cfg.train.seed,
@@ -102,25 +110,39 @@ def train_drafter(
             ),
             tokens_per_batch=cfg.train.tokens_per_batch,
         ),
-        **loader_options(cfg.train, batch_bytes(features, cfg, model_cfg, train_idx)),
+        **train_options,
     )
     module.train_batches = loader.batch_sampler
     # Each rank validates its share of the validation sequences (the counts are summed over the ranks before τ and
     # the accuracies are taken: DrafterModule.on_validation_epoch_end). Fewer sequences than ranks: each validates all.
     ranks = current_ranks()
     module.val_sharded = ranks.world_size > 1 and len(val_idx) >= ranks.world_size
+    val_share = lambda r: (  # noqa: E731
+        validation_share(len(val_idx), replace(ranks, rank=r)) if module.val_sharded else range(len(val_idx))
+    )
+    val_options = loader_options(cfg.train, batch_bytes(features, cfg, model_cfg, val_idx))
     val_loader = (
         torch.utils.data.DataLoader(
-            torch.utils.data.Subset(
-                val_set, validation_share(len(val_set), ranks) if module.val_sharded else range(len(val_set))
-            ),
+            torch.utils.data.Subset(val_set, val_share(ranks.rank)),
             batch_size=cfg.train.batch_size,
             collate_fn=collate,
-            **loader_options(cfg.train, batch_bytes(features, cfg, model_cfg, val_idx)),
+            **val_options,
         )
-        if val_set
+        if val_set and not streamed
         else None
     )
+    if streamed:  # every sample each rank will read, in order: the stream's plan (eaglelab.streamed)
+        size, shares = cfg.train.batch_size, [list(val_share(r)) for r in range(ranks.world_size)]
+        val_batches = [[s[i : i + size] for i in range(0, len(s), size)] for s in shares]
+        plan = StreamPlan(loader.batch_sampler, [features.rows[i] for i in train_idx], val_batches,
+                          [features.rows[i] for i in val_idx], cfg.train.epochs, ranks.world_size)  # fmt: skip
+        loader.batch_sampler.plan, loader.batch_sampler.start_marker = plan, StartMarker()
+        if val_set:
+            val_loader = torch.utils.data.DataLoader(
+                val_set, batch_sampler=PositionedValidation(plan, ranks.rank, lambda: module.current_epoch,
+                                                            loader.batch_sampler.start_marker),
+                collate_fn=collate, **val_options,
+            )  # fmt: skip
     ckpt = run_dir / "lightning" / "last.ckpt"
     state = readable_checkpoint(ckpt)  # every DDP process reads the same file: the same decision everywhere
     if state is not None and "eaglelab_train_metrics" in state:  # training had finished: its result stands
@@ -137,12 +159,29 @@ def train_drafter(
     monitor = f"val/acceptance_length@k{cfg.train.ttt_steps}"
     keep_best = KeepBest(monitor, run_dir / "lightning") if cfg.train.keep == "best" else None
     trainer = make_trainer(cfg, run_dir, loggers(), [keep_best] if keep_best else [])
-    trainer.fit(module, loader, val_loader, ckpt_path=resume)
+    with contextlib.ExitStack() as stream:
+        if streamed:
+            lookahead = train_options.get("num_workers", 0) * train_options.get("prefetch_factor", 0) + 2
+            width = len(model_cfg.aux_layer_ids) * model_cfg.target_hidden_size
+            streaming = stream.enter_context(
+                streamed_states(cfg, run_dir, features, plan, stream_engine, width, model_cfg.target_hidden_size,
+                                with_final, lookahead)
+            )  # fmt: skip
+            train_set.stream = streaming.reader
+            if val_set:
+                val_set.stream = streaming.reader
+            marker = loader.batch_sampler.start_marker
+            marker.store, marker.name = streaming.store, streaming.spec.name
+            module.trained_rows = {}
+        trainer.fit(module, loader, val_loader, ckpt_path=resume)
+    if streamed:  # what the stream cost, and which rows each epoch trained on (each once: tests/test_stream.py)
+        atomic_write_json(run_dir / "stream" / f"trained-rank{ranks.rank}.json", module.trained_rows)
     if trainer.interrupted:
         raise KeyboardInterrupt("training interrupted")
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("val/", "train/"))}
     if keep_best is not None:  # the best validation pass's weights and metrics replace the last's
         metrics.update(keep_best.restore(module))
+    metrics.update(streaming.metrics if streamed else {})
     metrics.update(
         {
             "data/train_sequences": len(train_idx),

@@ -124,7 +124,11 @@ class EpochBatches(Sampler):
         self.served = start  # counted as the step takes them (`batch_taken`): loader workers run ahead of it
         for i, batch in enumerate(self._global_batches()):
             if i >= start:
-                yield batch[rank::world].tolist()
+                yield self._share(i, batch, rank, world)
+
+    def _share(self, i: int, batch: torch.Tensor, rank: int, world: int) -> list:
+        """This process's items of global batch i: its sequences' indices (a stream's sampler adds their positions)."""
+        return batch[rank::world].tolist()
 
     def batch_taken(self) -> None:
         """The training step took the next batch (DrafterModule.on_train_batch_start): a checkpoint written after it
@@ -397,9 +401,13 @@ class DrafterModule(L.LightningModule):
         self._epoch_started, self._batch_ended, self._input_wait = time.perf_counter(), None, 0.0
         self._positions = self._computed = 0  # sequence positions trained, and positions computed (padding too)
 
+    trained_rows: dict[int, list[int]] | None = None  # per epoch, the rows trained on (set to {} to record them)
+
     def on_train_batch_start(self, batch: Batch, batch_idx: int) -> None:
         if self.train_batches is not None:
             self.train_batches.batch_taken()
+        if self.trained_rows is not None:
+            self.trained_rows.setdefault(self.current_epoch, []).extend(batch.index.tolist())
         # From one step's end to the next one's start the loop waits for the next batch (read, collated, moved to
         # the device, and with online features the target's forward): the input pipeline's share of the epoch.
         if self._batch_ended is not None:

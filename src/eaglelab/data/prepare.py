@@ -287,7 +287,7 @@ def prepare_features(
     )
     asked = (tail_tokens, with_final)
     tail_tokens, regen_key, with_final = _covering_entry(
-        cache_dir, tails, regen_keys, with_final, feat_of, features != "online"
+        cache_dir, tails, regen_keys, with_final, feat_of, features in ("cached", "hybrid")
     )
     feat_key = feat_of(regen_key, with_final)
     if (tail_tokens, with_final) != asked:
@@ -300,7 +300,7 @@ def prepare_features(
         cache_dir, name, sizes, shards, regen_dir, feat_dir,
         max_new_tokens=max_new_tokens + tail_tokens, limit=limit, backend=backend,
         # (hybrid writes them in its first epoch; a complete entry, e.g. one a hybrid run published: nothing to write)
-        state_bytes=per_token if features != "online" and not is_complete(feat_dir) else 0,
+        state_bytes=per_token if features in ("cached", "hybrid") and not is_complete(feat_dir) else 0,
     )  # fmt: skip
     t0 = time.perf_counter()
     with contextlib.ExitStack() as locks:

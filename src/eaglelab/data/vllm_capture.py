@@ -15,9 +15,12 @@ Conventions: docs/conventions.md, "Capturing the target's states in vLLM".
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shutil
+import socket
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -70,26 +73,78 @@ class CpuHiddenStatesConnector(ExampleHiddenStatesConnector):
         self._req_copy_events[pending.req_id] = _Copied()
 
 
+class _CpuStreams:
+    """The stream API of `torch.cuda` where there is none (hs_connectors resolves it through torch.accelerator and
+    raises on a CPU-only process): a CPU forward has finished writing the cache when the connector runs, so its
+    events and streams order nothing."""
+
+    class Event:
+        def record(self) -> None: ...
+
+    class Stream:
+        def wait_event(self, event) -> None: ...
+
+    stream = staticmethod(lambda s: contextlib.nullcontext())
+
+
+def _stream_connector():
+    """hs_connectors' Mooncake connector (vLLM's `extract_hidden_states` -> one packed object per request in a
+    Mooncake store), keyed under this engine's own prefix: a restarted engine numbers its requests from 0 again, and a
+    killed one's objects must never be read as the new one's."""
+    from hs_connectors.mooncake_hidden_states_connector import MooncakeHiddenStatesConnector, sanitize_key
+
+    class StreamConnector(MooncakeHiddenStatesConnector):
+        def build_connector_meta(self, scheduler_output):
+            meta = super().build_connector_meta(scheduler_output)
+            prefix = self._kv_transfer_config.get_from_extra_config("key_prefix", "")
+            for new_req in scheduler_output.scheduled_new_reqs:
+                self._request_keys[new_req.req_id] = f"{prefix}{sanitize_key(new_req.req_id)}"
+            return meta
+
+        def _device(self):
+            return super()._device() if cuda_available() else _CpuStreams
+
+    return StreamConnector
+
+
+StreamConnector = _stream_connector()  # (the name vLLM's kv_connector_module_path loads)
+
+
 # --- the capture engine's process ---------------------------------------------------------------------------------
-def engine_settings(layer_ids: list[int], storage: str, cuda: bool) -> dict:
+def engine_settings(layer_ids: list[int], transfer: dict) -> dict:
     """The LLM keyword arguments that make an engine a capture engine: every prefilled token's states at
-    `layer_ids` (vLLM's ids: the residual stream after that many decoder layers), written per request under
-    `storage` by the connector."""
-    connector = {"kv_connector": "ExampleHiddenStatesConnector"}
-    if not cuda:
-        connector = {"kv_connector": "CpuHiddenStatesConnector", "kv_connector_module_path": MODULE}
+    `layer_ids` (vLLM's ids: the residual stream after that many decoder layers), handed per request to the
+    connector of `transfer` (vLLM's kv_transfer_config: `file_connector` or `stream_connector`)."""
     return {
         "speculative_config": {
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
         },
-        "kv_transfer_config": {
-            **connector,
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": storage},
-        },
+        "kv_transfer_config": {**transfer, "kv_role": "kv_producer"},
     }
+
+
+def file_connector(storage: str, cuda: bool) -> dict:
+    """vLLM's connector writing each request's states to `<storage>/<request id>.safetensors` (ours on a CPU)."""
+    connector = {"kv_connector": "ExampleHiddenStatesConnector"}
+    if not cuda:
+        connector = {"kv_connector": "CpuHiddenStatesConnector", "kv_connector_module_path": MODULE}
+    return {**connector, "kv_connector_extra_config": {"shared_storage_path": storage}}
+
+
+def stream_connector(address: dict, key_prefix: str) -> dict:
+    """hs_connectors' Mooncake connector (StreamConnector: ours on a CPU) putting each request's states into the
+    store at `address` (eaglelab.data.stream.StoreAddress fields), mounting no memory of the engine's: what it put
+    outlives it."""
+    from eaglelab.data.stream import StoreAddress
+
+    store = StoreAddress(**address)
+    mooncake = {"local_hostname": socket.gethostname(), "metadata_server": store.metadata,
+                "master_server_address": store.master, "global_segment_size": 0, "local_buffer_size": 256 << 20,
+                "protocol": store.protocol}  # fmt: skip
+    return {"kv_connector": "StreamConnector", "kv_connector_module_path": MODULE,
+            "kv_connector_extra_config": {"mooncake": mooncake, "key_prefix": key_prefix}}  # fmt: skip
 
 
 def states_of(llm, sequences: list[list[int]], deadline_s: float = 600.0) -> list[torch.Tensor]:
@@ -126,27 +181,32 @@ def states_of(llm, sequences: list[list[int]], deadline_s: float = 600.0) -> lis
 
 def write_states(path, states: list[torch.Tensor], layer_ids: list[int], engine_ids: list[int], head, rows: list[int],
                  trained_from: list[int], with_final: bool, device) -> None:  # fmt: skip
-    """One state shard (eaglelab.data.store) from the engine's states of its sequences: aux [T, n·H] in `layer_ids`'
-    order, the post-norm final state norm(h_L) [T, H] (the KL teacher's input) and the greedy next token from the
-    position before each sequence's first assistant token on (`trained_from`; -1 before it, as the HF capture writes
-    them)."""
+    """One state shard (eaglelab.data.store) from the engine's states of its sequences (`training_states` of each)."""
     from eaglelab.data.store import StateWriter
 
-    pick = [engine_ids.index(k) for k in layer_ids]
-    last = engine_ids.index(max(engine_ids))  # h_L: the engine's ids end at the target's layer count
     with StateWriter(path, with_final) as writer:
         for row, hs, start in zip(rows, states, trained_from, strict=True):
-            hs = hs.to(device)  # [T, n, H]
-            aux = hs[:, pick].flatten(1)  # [T, len(layer_ids)·H]
-            final = head.final(hs[:, last])  # [T, H]
-            target_next = torch.full((len(hs),), -1, dtype=torch.long, device=device)
-            target_next[start - 1 :] = head.greedy(final[start - 1 :])
+            aux, target_next, final = training_states(hs.to(device), layer_ids, engine_ids, head, start)
             writer.write(row, aux, target_next, final if with_final else None)
 
 
-def capture_engine(job: dict, layer_ids: list[int], sequences: list[list[int]]):
+def training_states(hs: torch.Tensor, layer_ids: list[int], engine_ids: list[int], head, start: int):
+    """A sequence's engine states hs [T, n, H] -> what training reads: aux [T, n·H] in `layer_ids`' order, the
+    post-norm final state norm(h_L) [T, H] (the KL teacher's input) and the greedy next token [T] from the position
+    before the sequence's first assistant token on (`start`; -1 before it, as the HF capture writes them)."""
+    pick = [engine_ids.index(k) for k in layer_ids]
+    last = engine_ids.index(max(engine_ids))  # h_L: the engine's ids end at the target's layer count
+    aux = hs[:, pick].flatten(1)  # [T, len(layer_ids)·H]
+    final = head.final(hs[:, last])  # [T, H]
+    target_next = torch.full((len(hs),), -1, dtype=torch.long, device=hs.device)
+    target_next[start - 1 :] = head.greedy(final[start - 1 :])
+    return aux, target_next, final
+
+
+def capture_engine(job: dict, layer_ids: list[int], sequences: list[list[int]], transfer: dict | None = None):
     """A capture engine sized for `sequences` -> (the engine, its layer ids: the aux layers and h_L in layer order,
-    the target's final norm and LM head on the engine's device, that device)."""
+    the target's final norm and LM head on the engine's device, that device). `transfer`: its connector (default:
+    files under the job's `storage`)."""
     num_layers = job.get("num_layers") or model_config(job["target"])["num_hidden_layers"]
     engine_ids = sorted(set(layer_ids) | {num_layers})
     # A sequence that fills the target's window needs one position more for the token each request samples (and
@@ -154,9 +214,10 @@ def capture_engine(job: dict, layer_ids: list[int], sequences: list[list[int]]):
     os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     longest = max(map(len, sequences), default=0) + 1
     job = {**job, "mode": "capture", "shards": {"": {"input_ids": sequences}}, "max_model_len": longest}
-    shutil.rmtree(job["storage"], ignore_errors=True)  # a killed attempt's files (this folder is this job's alone)
-    llm = make_engine(job, settings=engine_settings(engine_ids, job["storage"], cuda_available()),
-                      captured_layers=len(engine_ids))  # fmt: skip
+    if transfer is None:
+        shutil.rmtree(job["storage"], ignore_errors=True)  # a killed attempt's files (this folder is this job's alone)
+        transfer = file_connector(job["storage"], cuda_available())
+    llm = make_engine(job, settings=engine_settings(engine_ids, transfer), captured_layers=len(engine_ids))
     device = torch.device("cuda") if cuda_available() else torch.device("cpu")
     head = target_head(job["target"]).to(device, getattr(torch, job["dtype"]))  # once, as the model computes it
     return llm, engine_ids, head, device
@@ -184,6 +245,97 @@ def capture_job(job: dict) -> dict:
         progress(f"shard {shard}: {n / dt:.0f} tok/s")
     shutil.rmtree(job["storage"], ignore_errors=True)
     return {"seconds": seconds, "tokens": tokens}
+
+
+# --- streamed states (features=stream) ---------------------------------------------------------------------------
+def stream_job(job: dict) -> dict:
+    """The stream's engine (eaglelab.data.stream): the plan's samples, in order, each sequence prefilled once and
+    its states put into the Mooncake store by hs_connectors' connector, then turned into the training sample (aux,
+    labels, norm(h_L), as `write_states` stores them) under its position's key, never more than `window` samples
+    ahead of the oldest unread one. It starts at `<name>-produced` (where a killed engine of this stream had got to)
+    and ends when the plan is done or the trainers ask it to (`<name>-stop`).
+
+    Job: {target, dtype, num_layers, layer_ids, with_final, tokens (the token store's folder), plan (.npy: the
+    store row of each position), name, address, window, attempt, tensor_parallel_size, pipeline_parallel_size}
+    -> {"seconds", "tokens", "samples", "input_wait_s" (waiting for room in the window)}."""
+    import numpy as np
+
+    from eaglelab.data.store import TokenStore
+    from eaglelab.data.stream import StoreAddress, connect, publish_json, read_json, sample_key, sample_manifest
+
+    tokens, plan, name = TokenStore(Path(job["tokens"])), np.load(job["plan"]), job["name"]
+    store = connect(StoreAddress(**job["address"]))
+    client = store._require_store()
+    stopped = lambda: client.is_exist(f"{name}-stop") == 1  # noqa: E731
+    lengths = tokens.lengths()
+    longest = sorted(set(plan.tolist()), key=lambda r: -lengths[r])[:BATCH]  # (the engine is sized for a batch)
+    transfer = stream_connector(job["address"], f"{name}-raw{job.get('attempt', 0)}-")
+    sized_for = [tokens.input_ids(r).tolist() for r in longest]
+    llm, engine_ids, head, device = capture_engine(job, job["layer_ids"], sized_for, transfer)
+    while (start := read_json(store, f"{name}-start")) is None:  # the trainers' first batch says where they begin
+        if stopped():
+            return {"seconds": 0.0, "tokens": 0, "samples": 0, "input_wait_s": 0.0}
+        time.sleep(0.01)
+    start = max(start, read_json(store, f"{name}-produced") or 0)  # (a killed engine's published samples stand)
+    seconds = waited = 0.0
+    produced = n_tokens = 0
+    step = min(BATCH, job["window"])  # (a batch never overshoots the window)
+    for first in range(start, len(plan), step):
+        positions = range(first, min(first + step, len(plan)))
+        if stopped():
+            break
+        t0 = time.perf_counter()
+        # Room in the window: the sample `window` places before the batch's last has been read (and removed).
+        while positions[-1] >= job["window"] and client.is_exist(sample_key(name, positions[-1] - job["window"])) == 1:
+            if stopped():
+                return {"seconds": seconds, "tokens": n_tokens, "samples": produced, "input_wait_s": waited}
+            time.sleep(0.005)
+        t1 = time.perf_counter()
+        waited += t1 - t0
+        rows = [int(plan[p]) for p in positions]
+        ids = [tokens.input_ids(r).tolist() for r in rows]
+        for p, r, hs in zip(positions, rows, _streamed_states(llm, store, ids), strict=True):
+            aux, target_next, final = training_states(hs.to(device), job["layer_ids"], engine_ids, head,
+                                                      tokens.trained_from(r))  # fmt: skip
+            sample = {"aux": aux.to(torch.bfloat16), "target_next": target_next}
+            if job["with_final"]:
+                sample["final"] = final.to(torch.bfloat16)
+            key = sample_key(name, p)
+            store.delete_sample(key)  # (a killed engine's object of this position, if it got that far)
+            store.put_sample(sample_manifest(key, len(hs), aux.shape[1], final.shape[1], job["with_final"]), sample)
+        publish_json(store, f"{name}-produced", positions[-1] + 1)
+        print(f"stream {name}: published samples {positions[0]}-{positions[-1]}", file=sys.stderr, flush=True)
+        seconds += time.perf_counter() - t1
+        produced += len(rows)
+        n_tokens += sum(map(len, ids))
+        progress(f"{positions[-1] + 1}/{len(plan)} samples: {n_tokens / seconds:.0f} tok/s")
+    return {"seconds": seconds, "tokens": n_tokens, "samples": produced, "input_wait_s": waited}
+
+
+def _streamed_states(llm, store, sequences: list[list[int]], deadline_s: float = 600.0):
+    """Each sequence prefilled once -> its states [T, n, H] (as `states_of`), through the store: the connector's
+    object of each request is read and removed."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    outs = llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+    manifests = [o.kv_transfer_params for o in outs]
+    engine, until, client = llm.llm_engine, time.monotonic() + deadline_s, store._require_store()
+    # (a finished request's states are put on the engine's next step: see states_of)
+    while not all(client.is_exist(m["handle"]) == 1 or client.is_exist(m["handle"] + ":error") == 1 for m in manifests):
+        if time.monotonic() > until:
+            raise RuntimeError(
+                f"the Mooncake connector put no states for {manifests[0]['handle']} ... in {deadline_s:.0f} s"
+            )
+        engine.step()
+        if not engine.has_unfinished_requests():
+            time.sleep(0.001)
+    for manifest, s in zip(manifests, sequences, strict=True):
+        data = store.get_sample(manifest)  # (an error marker the connector put is raised here)
+        store.delete_sample(manifest["handle"])
+        if data["token_ids"].tolist() != s:
+            raise RuntimeError(f"captured states of another sequence under {manifest['handle']}")
+        yield data["hidden_states"]
 
 
 # --- an evaluation's greedy outputs, captured (parity along vLLM's own continuation) ------------------------------
@@ -249,4 +401,4 @@ def capture_outputs(job: dict, rows: list[dict]) -> None:
 
 
 if __name__ == "__main__":  # the capture engine's process (eaglelab.data.prepare, eaglelab.evaluate: run_engine)
-    main(lambda job: capture_job(job) if job["mode"] == "capture" else evaluate_job(job))
+    main(lambda job: {"capture": capture_job, "stream": stream_job}.get(job["mode"], evaluate_job)(job))

@@ -1,0 +1,119 @@
+"""Streamed states (features=stream) with the real pieces: a `mooncake_master` started by the run, vLLM's capture
+engine putting states through hs_connectors' Mooncake connector, the trainer reading them from the store. Nothing
+stands in for any of them."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from eaglelab.pipeline import run
+
+from conftest import ROOT, cli_env, compose, error_line, run_cli
+
+SMOKE = ["experiment=smoke", "eval.suites.drift.enabled=false", "eval.suites.extrapolation.enabled=false"]
+COMPARED = ("acceptance_length@k1", "acceptance_length@k3", "val/acceptance_length@k3", "train/loss", "val/acc@d1")
+
+
+def du(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.exists() else 0
+
+
+def trained_once_each(run_dir: Path, metrics: dict) -> None:
+    """Every epoch trained each training sequence once: none twice, none lost."""
+    trained = json.loads((run_dir / "stream" / "trained-rank0.json").read_text())
+    assert len(trained) == 4  # the smoke run's epochs
+    for epoch, rows in trained.items():
+        assert len(rows) == len(set(rows)) == metrics["data/train_sequences"], (epoch, sorted(rows))
+
+
+@pytest.fixture(scope="module")
+def paired(tmp_path_factory):
+    """The smoke run with states captured by vLLM, once cached and once streamed, on one cache: the stream reads
+    the cached run's regenerated tokens and captures their states again, epoch by epoch."""
+    root = tmp_path_factory.mktemp("stream")
+    cache, runs = root / "cache", {}
+    for kind in ("cached", "stream"):
+        features_before = du(cache / "features")
+        run_dir = run(compose([*SMOKE, f"features={kind}", "data.capture_backend=vllm"], cache, root / kind))
+        runs[kind] = (
+            run_dir,
+            json.loads((run_dir / "metrics.json").read_text()),
+            du(cache / "features") - features_before,
+        )
+    runs["cache"] = cache
+    return runs
+
+
+def test_streamed_states_train_what_the_cache_trains(paired):
+    """Same tokens, the same engine's states, the same order: the streamed run trains the cached run's drafter,
+    figure for figure, and writes no state to disk (the cache's features/ grows only for the cached run)."""
+    (_, cached, cached_bytes), (stream_dir, stream, stream_bytes) = paired["cached"], paired["stream"]
+    for key in COMPARED:
+        assert stream[key] == cached[key], key
+    assert cached_bytes > 0 and stream_bytes == 0
+    assert stream["data/disk_bytes_per_token"] < 0.01 * cached["data/disk_bytes_per_token"]  # token ids only
+    plan = np.load(stream_dir / "stream" / "plan.npy")
+    assert stream["stream/samples_streamed"] == len(plan) and stream["stream/engine_restarts"] == 0
+    assert stream["stream/engine_tokens_per_s"] > 0
+    trained_once_each(stream_dir, stream)
+
+
+def test_a_killed_engine_is_started_again_and_nothing_is_trained_twice(paired, tmp_path):
+    """SIGKILL to the stream's engine mid-stream (a window of ~12 samples keeps it waiting on the trainer): the
+    supervisor starts it again, it resumes where it had published up to, and the run trains each row once per epoch
+    and ends with the uninterrupted stream's drafter."""
+    cache = paired["cache"]
+    results = tmp_path / "results"
+    args = [*SMOKE, "features=stream", "data.capture_backend=vllm", "features.stream.window_gb=0.002"]
+    command = [sys.executable, str(ROOT / "src" / "run.py"), *args]
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    proc = subprocess.Popen(command, cwd=ROOT, env=cli_env(cache, results), **pipes)
+    try:
+        deadline, engine = time.time() + 300, None
+        while engine is None:
+            assert time.time() < deadline and proc.poll() is None, proc.stderr.read()[-2000:] if proc.poll() else ""
+            logs = list(results.glob("runs/*/stream/vllm.log"))
+            if logs and "published samples 0-" in logs[0].read_text(errors="replace"):
+                kids = psutil.Process(proc.pid).children(recursive=True)
+                engine = next((p for p in kids if "eaglelab.data.vllm_capture" in " ".join(p.cmdline())), None)
+            time.sleep(0.02)
+        engine.kill()
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-2000:]
+    run_dir = next(results.glob("runs/*"))
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["stream/engine_restarts"] == 1
+    assert "the stream's engine died (vLLM engine failed (exit -9)" in (run_dir / "run.log").read_text()
+    trained_once_each(run_dir, metrics)
+    for key in COMPARED:
+        assert metrics[key] == paired["stream"][1][key], key
+
+
+def test_an_unreachable_store_is_one_line(tmp_path):
+    """A store that is not there: one line naming it, before any work (Mooncake's own client would retry ~90 s)."""
+    t0 = time.perf_counter()
+    out = run_cli([*SMOKE, "features=stream", "features.stream.master=127.0.0.1:9"], tmp_path / "c", tmp_path / "r")
+    line = error_line(out.returncode, out.stderr)
+    assert "cannot reach the Mooncake store's master at 127.0.0.1:9" in line and "features.stream.master" in line
+    assert time.perf_counter() - t0 < 60
+    assert not (tmp_path / "c" / "regen").exists(), "refused before the data stage"
+
+
+def test_a_window_too_small_for_the_loaders_is_one_line(paired, tmp_path):
+    """A window that cannot hold what the loaders read ahead would deadlock the engine and the trainers: refused
+    with the size that works, before the engine starts."""
+    cache = paired["cache"]
+    args = [*SMOKE, "features=stream", "data.capture_backend=vllm", "features.stream.window_gb=0.0001"]
+    out = run_cli(args, cache, tmp_path / "r")
+    line = error_line(out.returncode, out.stderr)
+    assert "features.stream.window_gb=0.0001 holds" in line and "raise it to at least" in line
+    assert not list((tmp_path / "r").glob("runs/*/stream/vllm.log")), "no engine started"
