@@ -117,3 +117,25 @@ def test_a_window_too_small_for_the_loaders_is_one_line(paired, tmp_path):
     line = error_line(out.returncode, out.stderr)
     assert "features.stream.window_gb=0.0001 holds" in line and "raise it to at least" in line
     assert not list((tmp_path / "r").glob("runs/*/stream/vllm.log")), "no engine started"
+
+
+def test_one_stream_feeds_a_sweep(paired, tmp_path):
+    """Two variants of a sweep (hydra/launcher=local: concurrent processes) with features.stream.share: one trial
+    hosts the stream, the other subscribes, and one target pass (the plan's samples, once) feeds both; each trains
+    what its own stream would have given it (the eagle3.1 trial is the paired stream run, figure for figure)."""
+    args = ["-m", *SMOKE, "features=stream", "features.stream.share=true", "features.stream.join_s=20",
+            "data.capture_backend=vllm", "+ablation=eagle3_1,eagle3", "hydra/launcher=local",
+            "hydra.launcher.cpus_per_task=1", f"hydra.sweep.dir={tmp_path / 'sweep'}"]  # fmt: skip
+    out = run_cli(args, paired["cache"], tmp_path / "results")
+    assert out.returncode == 0, out.stderr[-2000:]
+    trials = {p.parent.name: json.loads(p.read_text()) for p in (tmp_path / "sweep").glob("*/metrics.json")}
+    assert len(trials) == 2
+    hosts = [m for m in trials.values() if "stream/subscribers" in m]
+    assert len(hosts) == 1 and hosts[0]["stream/subscribers"] == 2
+    plan = np.load(next((tmp_path / "sweep").glob("*/stream/plan.npy")))
+    assert hosts[0]["stream/samples_streamed"] == len(plan), "one target pass for both trials"
+    ours = next(m for name, m in trials.items() if "eagle3.1" in name)
+    for key in COMPARED:
+        assert ours[key] == paired["stream"][1][key], key
+    for name in trials:
+        trained_once_each(tmp_path / "sweep" / name, trials[name])

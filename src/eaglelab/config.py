@@ -237,6 +237,12 @@ class StreamConfig:
     # far ahead of the trainers. It must hold what the loaders read ahead of the step (checked before training).
     window_gb: float = 1.0
     restarts: int = 3  # times a dead engine is started again (resuming where it was) before the run fails
+    # Trials of a sweep that would stream the same samples in the same order (target, data, aux layers, final state,
+    # data order, batches, epochs, ranks: set train.data_seed to share across seeds) share one stream: one target pass
+    # for all of them. The first to arrive hosts it; those arriving within join_s seconds subscribe.
+    share: bool = False
+    join_s: float = 30.0
+    stall_s: float = 300.0  # a sharing trial this long behind the window is dropped (it resumes on its own stream)
     wait_s: float = 900.0  # a trainer waiting this long for one sample fails with one line (an engine's start counts)
 
 
@@ -282,6 +288,7 @@ class TrainConfig:
     # (its validation metrics are the run's; train/kept_epoch says which). Needs data.val_prompts > 0.
     keep: Literal["last", "best"] = "best"
     seed: int = 0
+    data_seed: int | None = None  # the data order's seed (null: seed); trials that set one share their order
     # Lightning's precisions, or auto: bf16-mixed where the device computes bfloat16 (a GPU from Ampere on; a CPU
     # with AVX512-BF16 or AMX, where it is ~1.6x faster than 32-true), 16-mixed on an older GPU, 32-true elsewhere
     # (an AVX2-only CPU emulates bf16: a training step 17x slower than float32, measured). `half_precision` decides.

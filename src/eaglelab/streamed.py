@@ -5,7 +5,10 @@ the order they read it), the samplers that ask for samples by their position in 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
+import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,6 +31,7 @@ from eaglelab.data.stream import (
     sample_bytes,
 )
 from eaglelab.errors import DataError
+from eaglelab.io import atomic_write_json, file_lock
 from eaglelab.ranks import barrier, broadcast
 from eaglelab.ranks import current as current_ranks
 from eaglelab.training import EpochBatches
@@ -119,70 +123,194 @@ class PositionedValidation(Sampler):
 class Stream:
     reader: StreamReader
     spec: StreamSpec
-    store: object | None  # rank 0's client (the window's memory), else None
+    store: object | None  # rank 0's client (the hosting trial's: the window's memory), else None
     metrics: dict = field(default_factory=dict)  # rank 0's, once the stream has ended
+
+
+@dataclass(frozen=True)
+class Window:
+    """The store memory one trial's copies take: `samples` in flight of at most `sample_bytes` each, and a capture
+    batch's raw objects (every captured layer, 4 bytes a value at most) passing through."""
+
+    samples: int
+    sample_bytes: int
+    raw_bytes: int
+
+    def segment_bytes(self, subscribers: int) -> int:
+        return int((subscribers * self.samples * self.sample_bytes + self.raw_bytes) / STORE_FILL)
+
+
+def window_for(cfg: RunConfig, features: Sequences, plan: StreamPlan, aux_width: int, hidden: int, with_final: bool,
+               lookahead_batches: int) -> Window:  # fmt: skip
+    """features.stream.window_gb in samples, refused when it cannot hold what the loaders read ahead of the step (the
+    engine would wait for a sample the trainers read only after the one they wait for)."""
+    s = cfg.features.stream
+    longest = int(features.tokens.lengths()[np.unique(plan.rows)].max())
+    per_sample = sample_bytes(longest, aux_width, hidden, with_final)
+    window = int(s.window_gb * 1e9 // per_sample)
+    need = lookahead_batches * plan.widest
+    if window < need:
+        raise DataError(
+            f"features.stream.window_gb={s.window_gb} holds {window} samples of up to {longest} tokens, but the "
+            f"trainers read up to {need} ahead of their step; raise it to at least {need * per_sample / 1e9:.3g}"
+        )
+    return Window(window, per_sample, BATCH_RAW * longest * (aux_width + 2 * hidden) * 4)
+
+
+BATCH_RAW = 32  # sequences a capture batch holds in the store as the engine's raw objects (vllm_capture.BATCH)
+
+
+class StreamHost:
+    """Trainer rank 0 of the trial hosting a stream: the store (a mooncake_master started here, or the one
+    `features.stream.master` names) with every subscriber's window mounted in this process's memory, and the
+    supervised engine. With `rendezvous` (a folder under the shared cache, one per stream key), trials of a sweep that
+    arrive within `features.stream.join_s` subscribe to it (`join`) instead of starting their own."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, window: Window, spec_fields: dict, job: dict,
+                 rendezvous: Path | None):  # fmt: skip
+        s = cfg.features.stream
+        self.master = self.supervisor = self.store = None
+        self.rendezvous, self.join_until = rendezvous, time.time() + (s.join_s if rendezvous else 0)
+        self.stall_s = s.stall_s
+        if s.master:
+            address = StoreAddress.parse(s.master, s.metadata_port)
+        else:
+            self.master = StoreMaster(run_dir / "stream" / "mooncake_master.log")
+            address = self.master.address
+        self.spec = StreamSpec(uuid.uuid4().hex[:12], asdict(address), window=window.samples, **spec_fields)
+        self.window = window
+        if rendezvous is not None:  # (written under the rendezvous lock: see `join`)
+            atomic_write_json(rendezvous / "host.json", {**asdict(self.spec), "join_until": self.join_until})
+        plan_file = run_dir / "stream" / "plan.npy"
+        np.save(plan_file, job.pop("plan_rows"))
+        job = {**job, "mode": "stream", "plan": str(plan_file), "name": self.spec.name, "address": self.spec.address,
+               "window": window.samples, "stall_s": s.stall_s}  # fmt: skip
+        self.supervisor = EngineSupervisor(job, run_dir / "stream", s.restarts)  # (it loads while trials join)
+
+    def open(self) -> None:
+        """Once the joining time is over: the subscribers known, their windows mounted, the engine told."""
+        time.sleep(max(self.join_until - time.time(), 0.0))
+        subscribers = [0]
+        if self.rendezvous is not None:
+            with file_lock(self.rendezvous / "lock"):
+                subscribers += sorted(int(p.name) for p in (self.rendezvous / "subscribers").glob("*"))
+                (self.rendezvous / "host.json").unlink(missing_ok=True)  # (no trial joins after this)
+        self.subscribers = subscribers
+        self.store = connect(self.spec.store, segment_bytes=self.window.segment_bytes(len(subscribers)))
+        publish_json(self.store, f"{self.spec.name}-subscribers", subscribers)
+        log.info("streaming states: %d samples to %d trial(s) through the Mooncake store at %s (window %d samples, "
+                 "%.2f GB)", len(np.load(self.supervisor.job["plan"])), len(subscribers), self.spec.store.master,
+                 self.window.samples, self.window.segment_bytes(len(subscribers)) / 1e9)  # fmt: skip
+
+    def close(self) -> dict:
+        """The stream ended for this trial: the others sharing it read to their end (or are dropped) first; then
+        the engine, the memory and the master go. -> what the stream cost."""
+        name, until = self.spec.name, time.time() + self.stall_s
+        for i in getattr(self, "subscribers", [0])[1:]:
+            done = lambda i=i: any(read_json(self.store, f"{name}-{w}-{i}") is not None for w in ("done", "dropped"))  # noqa: E731
+            while not done() and time.time() < until and self.supervisor.error is None:
+                time.sleep(0.1)
+        self.supervisor.stop(self.store)
+        result, metrics = self.supervisor.result or {}, {}
+        if self.store is not None:
+            metrics = {
+                "stream/engine_restarts": self.supervisor.deaths,
+                # target forward passes, every engine's (a killed one's too: where the last published up to)
+                "stream/samples_streamed": (read_json(self.store, f"{name}-produced") or 0)
+                - (read_json(self.store, f"{name}-start") or 0),
+                "stream/subscribers": len(self.subscribers),
+                "stream/engine_tokens_per_s": result.get("tokens", 0) / max(result.get("seconds", 0.0), 1e-9),
+                # the engine waiting for room in the window: the trainers are the slower side
+                "stream/engine_wait_s": result.get("input_wait_s", 0.0),
+                "stream/window_samples": self.spec.window,
+            }
+            self.store.close()
+        log.info("stream engine: %s", result)
+        if self.master is not None:
+            self.master.stop()
+        return metrics
+
+
+def subscribe(rendezvous: Path) -> StreamSpec | None:
+    """A place in the stream being hosted for this key, if one is still open for joining (called under the
+    rendezvous lock). None: no such stream."""
+    host = rendezvous / "host.json"
+    if not host.is_file():
+        return None
+    fields = json.loads(host.read_text())
+    if fields.pop("join_until") < time.time() + 1.0:
+        return None
+    (rendezvous / "subscribers").mkdir(parents=True, exist_ok=True)
+    index = max([int(p.name) for p in (rendezvous / "subscribers").glob("*")], default=0) + 1
+    (rendezvous / "subscribers" / str(index)).touch()
+    return StreamSpec(**{**fields, "subscriber": index})
+
+
+def admitted(spec: StreamSpec, timeout_s: float) -> bool:
+    """Whether the host counted this trial among its subscribers when it opened the stream."""
+    try:
+        store = connect(spec.store)
+    except DataError:
+        return False
+    until = time.time() + timeout_s
+    try:
+        while (subscribers := read_json(store, f"{spec.name}-subscribers")) is None and time.time() < until:
+            time.sleep(0.1)
+    finally:
+        store.close()
+    return bool(subscribers) and spec.subscriber in subscribers
+
+
+def stream_key(features: Sequences, plan: StreamPlan, job: dict, world: int) -> str:
+    """Trials whose streams would carry the same samples in the same order: one target, token entry, captured
+    layers and final state, and the same plan (data order, batches, epochs, ranks)."""
+    digest = hashlib.sha256(plan.rows.tobytes())
+    for part in (str(features.tokens.folder), job["target"], job["dtype"], job["layer_ids"], job["with_final"], world):
+        digest.update(repr(part).encode())
+    return digest.hexdigest()[:20]
 
 
 @contextlib.contextmanager
 def streamed_states(cfg: RunConfig, run_dir: Path, features: Sequences, plan: StreamPlan, engine: dict,
-                    aux_width: int, hidden: int, with_final: bool, lookahead_batches: int):  # fmt: skip
-    """The stream for this attempt's `fit`: on rank 0 the store (a mooncake_master started here, or the one
-    `features.stream.master` names) with the window mounted in this process's memory, and the supervised engine;
-    on every rank a reader. -> Stream (its metrics filled on rank 0 when it ends)."""
-    s, rank = cfg.features.stream, current_ranks().rank
-    master = supervisor = holder = spec = stream = None
+                    aux_width: int, hidden: int, with_final: bool, lookahead_batches: int, resumed: bool):  # fmt: skip
+    """The stream for this attempt's `fit`: hosted by this trial's rank 0 (`StreamHost`), or, with
+    features.stream.share, the stream another trial of the sweep hosts for the same key (a resumed trial always
+    hosts its own: the others' stream has moved on); a reader on every rank. -> Stream (its metrics filled on the
+    host's rank 0 when it ends)."""
+    s, ranks = cfg.features.stream, current_ranks()
+    host = spec = stream = None
     try:
-        if rank == 0:
-            longest = int(features.tokens.lengths()[np.unique(plan.rows)].max())
-            per_sample = sample_bytes(longest, aux_width, hidden, with_final)
-            window = int(s.window_gb * 1e9 // per_sample)
-            need = lookahead_batches * plan.widest  # samples the loaders read ahead of the step, at most
-            if window < need:
-                raise DataError(
-                    f"features.stream.window_gb={s.window_gb} holds {window} samples of up to {longest} tokens, but "
-                    f"the trainers read up to {need} ahead of their step; raise it to at least "
-                    f"{need * per_sample / 1e9:.3g}"
-                )
-            # The window's samples, and a capture batch's raw objects (every captured layer, 4 bytes a value at most)
-            raw = 32 * longest * (aux_width + 2 * hidden) * 4
-            segment = int((window * per_sample + raw) / STORE_FILL)
-            if s.master:
-                address = StoreAddress.parse(s.master, s.metadata_port)
-            else:
-                master = StoreMaster(run_dir / "stream" / "mooncake_master.log")
-                address = master.address
-            holder = connect(address, segment_bytes=segment)
-            spec = StreamSpec(uuid.uuid4().hex[:12], asdict(address), aux_width, hidden, with_final, window,
-                              s.wait_s)  # fmt: skip
-            plan_file = run_dir / "stream" / "plan.npy"
-            np.save(plan_file, plan.rows)
-            log.info("streaming states: %d samples through the Mooncake store at %s (window %d samples, %.2f GB)",
-                     len(plan.rows), address.master, window, segment / 1e9)  # fmt: skip
-            job = {**engine, "mode": "stream", "layer_ids": engine["layer_ids"], "with_final": with_final,
-                   "tokens": str(features.tokens.folder), "plan": str(plan_file), "name": spec.name,
-                   "address": spec.address, "window": window}  # fmt: skip
-            supervisor = EngineSupervisor(job, run_dir / "stream", s.restarts)
+        if ranks.rank == 0:
+            window = window_for(cfg, features, plan, aux_width, hidden, with_final, lookahead_batches)
+            job = {**engine, "with_final": with_final, "tokens": str(features.tokens.folder), "plan_rows": plan.rows}
+            fields = {"aux_width": aux_width, "hidden": hidden, "with_final": with_final, "wait_s": s.wait_s}
+            if s.share and not resumed:  # the stream another trial hosts for this key, or one this trial hosts
+                key = stream_key(features, plan, job, ranks.world_size)
+                rendezvous = Path(cfg.paths.cache_dir).expanduser() / "streams" / key
+                with file_lock(rendezvous / "lock"):
+                    if (spec := subscribe(rendezvous)) is None:
+                        host = StreamHost(cfg, run_dir, window, fields, job, rendezvous)
+                if spec is not None and not admitted(spec, s.join_s + 300):
+                    log.warning("the shared stream %s closed before this trial joined it: hosting its own", spec.name)
+                    spec = None
+                if spec is not None:
+                    log.info("streaming states: subscribed to stream %s (trial %d of it)", spec.name, spec.subscriber)
+            if spec is None and host is None:
+                host = StreamHost(cfg, run_dir, window, fields, job, None)
+            if host is not None:
+                host.open()
+                spec = host.spec
         spec = broadcast(spec)
-        stream = Stream(StreamReader(spec), spec, holder)
+        stream = Stream(StreamReader(spec), spec, host.store if host else None)
         yield stream
         stream.reader.close()
         barrier()  # every rank's reader has left the store before it goes
+        if ranks.rank == 0 and host is None:  # the host may end its stream now
+            client = connect(spec.store)
+            publish_json(client, f"{spec.name}-done-{spec.subscriber}", True)
+            client.close()
     finally:
-        if supervisor is not None:
-            supervisor.stop(holder)
-            result = supervisor.result or {}
-            stream.metrics = {
-                "stream/engine_restarts": supervisor.deaths,
-                # (every engine's, a killed one's too: where the last published up to)
-                "stream/samples_streamed": (read_json(holder, f"{spec.name}-produced") or 0)
-                - (read_json(holder, f"{spec.name}-start") or 0),
-                "stream/engine_tokens_per_s": result.get("tokens", 0) / max(result.get("seconds", 0.0), 1e-9),
-                # the engine waiting for room in the window: the trainers are the slower side
-                "stream/engine_wait_s": result.get("input_wait_s", 0.0),
-                "stream/window_samples": spec.window,
-            }
-            log.info("stream engine: %s", result)
-        if holder is not None:
-            holder.close()
-        if master is not None:
-            master.stop()
+        if host is not None:
+            metrics = host.close()
+            if stream is not None:
+                stream.metrics = metrics

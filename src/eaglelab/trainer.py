@@ -102,7 +102,7 @@ def train_drafter(
         batch_sampler=(PositionedBatches if streamed else EpochBatches)(
             len(train_set),
             cfg.train.batch_size,
-            cfg.train.seed,
+            cfg.train.seed if cfg.train.data_seed is None else cfg.train.data_seed,
             lengths=(  # (only a token budget reads them)
                 features.tokens.lengths()[[features.rows[i] for i in train_idx]].tolist()
                 if cfg.train.tokens_per_batch
@@ -165,7 +165,7 @@ def train_drafter(
             width = len(model_cfg.aux_layer_ids) * model_cfg.target_hidden_size
             streaming = stream.enter_context(
                 streamed_states(cfg, run_dir, features, plan, stream_engine, width, model_cfg.target_hidden_size,
-                                with_final, lookahead)
+                                with_final, lookahead, resumed=resume is not None)
             )  # fmt: skip
             train_set.stream = streaming.reader
             if val_set:

@@ -192,8 +192,9 @@ def _store_client():
 
 
 # --- samples --------------------------------------------------------------------------------------------------
-def sample_key(stream: str, position: int) -> str:
-    return f"{stream}-{position}"
+def sample_key(stream: str, position: int, subscriber: int = 0) -> str:
+    """A sample's key: the copy for `subscriber` (each trial sharing a stream reads and removes its own copy)."""
+    return f"{stream}-{subscriber}-{position}"
 
 
 def sample_manifest(key: str, length: int, aux_width: int, hidden: int, with_final: bool) -> dict:
@@ -223,6 +224,7 @@ class StreamSpec:
     with_final: bool
     window: int  # samples published and not yet read, at most
     wait_s: float  # a reader waiting this long for one sample fails
+    subscriber: int = 0  # this trial's index among those sharing the stream (0: the trial hosting it)
 
     @property
     def store(self) -> StoreAddress:
@@ -254,7 +256,7 @@ class StreamReader:
 
     def read(self, position: int, length: int) -> dict[str, torch.Tensor]:
         spec, store = self.spec, self._store()
-        key = sample_key(spec.name, position)
+        key = sample_key(spec.name, position, spec.subscriber)
         manifest = sample_manifest(key, length, spec.aux_width, spec.hidden, spec.with_final)
         until = time.monotonic() + spec.wait_s
         while True:
@@ -264,6 +266,11 @@ class StreamReader:
             except TimeoutError:
                 if (failed := read_json(store, f"{spec.name}-failed")) is not None:
                     raise EaglelabError(f"the state stream failed: {failed}") from None
+                if read_json(store, f"{spec.name}-dropped-{spec.subscriber}") is not None:
+                    raise EaglelabError(
+                        "this trial fell a whole window behind the stream it shared and was dropped (so the others "
+                        "go on); run it again: it resumes from its checkpoint on a stream of its own"
+                    ) from None
                 if time.monotonic() > until:
                     raise EaglelabError(
                         f"no states for stream sample {position} in {spec.wait_s:.0f} s (the engine's log: vllm.log "
@@ -328,9 +335,12 @@ class EngineSupervisor:
         except Exception as e:  # noqa: BLE001 (the readers time out instead, naming the log)
             log.warning("could not mark the stream failed: %s", e)
 
-    def stop(self, store) -> None:
+    def stop(self, store=None) -> None:
         self._stopping.set()
-        publish_json(store, f"{self.job['name']}-stop", True)
+        client = store or connect(StoreAddress(**self.job["address"]))
+        publish_json(client, f"{self.job['name']}-stop", True)
+        if store is None:
+            client.close()
         self._thread.join(timeout=120)
 
 

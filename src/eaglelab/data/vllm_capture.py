@@ -251,13 +251,17 @@ def capture_job(job: dict) -> dict:
 def stream_job(job: dict) -> dict:
     """The stream's engine (eaglelab.data.stream): the plan's samples, in order, each sequence prefilled once and
     its states put into the Mooncake store by hs_connectors' connector, then turned into the training sample (aux,
-    labels, norm(h_L), as `write_states` stores them) under its position's key, never more than `window` samples
-    ahead of the oldest unread one. It starts at `<name>-produced` (where a killed engine of this stream had got to)
-    and ends when the plan is done or the trainers ask it to (`<name>-stop`).
+    labels, norm(h_L), as `write_states` stores them), one copy per subscribed trial under its position's key,
+    never more than `window` samples ahead of the oldest one a trial has not read. A trial that holds the stream
+    back for `stall_s` is dropped (`<name>-dropped-<i>`: it fails with one line and resumes on a stream of its own),
+    so a slow or preempted trial never stalls the others. The engine starts where the trainers begin
+    (`<name>-start`) or where a killed engine of this stream had published up to (`<name>-produced`), once the
+    subscribers are known (`<name>-subscribers`), and ends when the plan is done or the host asks (`<name>-stop`).
 
     Job: {target, dtype, num_layers, layer_ids, with_final, tokens (the token store's folder), plan (.npy: the
-    store row of each position), name, address, window, attempt, tensor_parallel_size, pipeline_parallel_size}
-    -> {"seconds", "tokens", "samples", "input_wait_s" (waiting for room in the window)}."""
+    store row of each position), name, address, window, stall_s, attempt, tensor_parallel_size,
+    pipeline_parallel_size} -> {"seconds", "tokens", "samples", "input_wait_s" (waiting for room in the window),
+    "dropped"}."""
     import numpy as np
 
     from eaglelab.data.store import TokenStore
@@ -272,26 +276,39 @@ def stream_job(job: dict) -> dict:
     transfer = stream_connector(job["address"], f"{name}-raw{job.get('attempt', 0)}-")
     sized_for = [tokens.input_ids(r).tolist() for r in longest]
     llm, engine_ids, head, device = capture_engine(job, job["layer_ids"], sized_for, transfer)
-    while (start := read_json(store, f"{name}-start")) is None:  # the trainers' first batch says where they begin
+    out = {"seconds": 0.0, "tokens": 0, "samples": 0, "input_wait_s": 0.0, "dropped": []}
+    while (start := read_json(store, f"{name}-start")) is None or read_json(store, f"{name}-subscribers") is None:
         if stopped():
-            return {"seconds": 0.0, "tokens": 0, "samples": 0, "input_wait_s": 0.0}
+            return out
         time.sleep(0.01)
     start = max(start, read_json(store, f"{name}-produced") or 0)  # (a killed engine's published samples stand)
-    seconds = waited = 0.0
-    produced = n_tokens = 0
+    dropped = {i for i in read_json(store, f"{name}-subscribers") if client.is_exist(f"{name}-dropped-{i}") == 1}
+    subscribers = [i for i in read_json(store, f"{name}-subscribers") if i not in dropped]
     step = min(BATCH, job["window"])  # (a batch never overshoots the window)
     for first in range(start, len(plan), step):
         positions = range(first, min(first + step, len(plan)))
-        if stopped():
+        if stopped() or not subscribers:
             break
         t0 = time.perf_counter()
-        # Room in the window: the sample `window` places before the batch's last has been read (and removed).
-        while positions[-1] >= job["window"] and client.is_exist(sample_key(name, positions[-1] - job["window"])) == 1:
+        # Room in the window: every subscriber has read (and removed) its copy `window` places before the batch's last
+        behind = positions[-1] - job["window"]
+        unread = lambda: [i for i in subscribers if client.is_exist(sample_key(name, behind, i)) == 1]  # noqa: E731
+        while behind >= 0 and (waiting := unread()):
             if stopped():
-                return {"seconds": seconds, "tokens": n_tokens, "samples": produced, "input_wait_s": waited}
+                return out
+            if time.perf_counter() - t0 > job["stall_s"]:  # the others go on without it
+                for i in waiting:
+                    publish_json(store, f"{name}-dropped-{i}", behind)
+                    for p in range(max(behind - job["window"], 0), positions[0]):
+                        store.delete_sample(sample_key(name, p, i))
+                    print(f"stream {name}: dropped subscriber {i} (sample {behind} unread for {job['stall_s']} s)",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                subscribers = [i for i in subscribers if i not in waiting]
+                out["dropped"] += waiting
+                break
             time.sleep(0.005)
         t1 = time.perf_counter()
-        waited += t1 - t0
+        out["input_wait_s"] += t1 - t0
         rows = [int(plan[p]) for p in positions]
         ids = [tokens.input_ids(r).tolist() for r in rows]
         for p, r, hs in zip(positions, rows, _streamed_states(llm, store, ids), strict=True):
@@ -300,16 +317,18 @@ def stream_job(job: dict) -> dict:
             sample = {"aux": aux.to(torch.bfloat16), "target_next": target_next}
             if job["with_final"]:
                 sample["final"] = final.to(torch.bfloat16)
-            key = sample_key(name, p)
-            store.delete_sample(key)  # (a killed engine's object of this position, if it got that far)
-            store.put_sample(sample_manifest(key, len(hs), aux.shape[1], final.shape[1], job["with_final"]), sample)
+            for i in subscribers:  # one forward pass, a copy for each trial
+                key = sample_key(name, p, i)
+                store.delete_sample(key)  # (a killed engine's object of this position, if it got that far)
+                manifest = sample_manifest(key, len(hs), aux.shape[1], final.shape[1], job["with_final"])
+                store.put_sample(manifest, sample)
         publish_json(store, f"{name}-produced", positions[-1] + 1)
         print(f"stream {name}: published samples {positions[0]}-{positions[-1]}", file=sys.stderr, flush=True)
-        seconds += time.perf_counter() - t1
-        produced += len(rows)
-        n_tokens += sum(map(len, ids))
-        progress(f"{positions[-1] + 1}/{len(plan)} samples: {n_tokens / seconds:.0f} tok/s")
-    return {"seconds": seconds, "tokens": n_tokens, "samples": produced, "input_wait_s": waited}
+        out["seconds"] += time.perf_counter() - t1
+        out["samples"] += len(rows)
+        out["tokens"] += sum(map(len, ids))
+        progress(f"{positions[-1] + 1}/{len(plan)} samples: {out['tokens'] / out['seconds']:.0f} tok/s")
+    return out
 
 
 def _streamed_states(llm, store, sequences: list[list[int]], deadline_s: float = 600.0):
