@@ -87,3 +87,14 @@ def test_padding_at_its_smallest(tmp_path):
     rows = {(r["mix"], r["batching"]): r for r in json.loads(out.read_text())}
     tailed = rows["long-tailed", "tokens_per_batch=4096"]["padding_share"]
     assert tailed < rows["long-tailed", "batch_size=2"]["padding_share"]
+
+
+def test_stream_benchmark_at_its_smallest(tmp_path):
+    """benchmarks/stream.py on the tiny target: one engine, one trainer, one epoch, the figures it prints."""
+    out = tmp_path / "stream.json"
+    proc = bench("stream.py", "--target", "tiny", "--prompts", "24", "--epochs", "1", "--devices", "1",
+                 "--repeats", "1", "--window-gb", "0.01", "--json", out)  # fmt: skip
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["engine_tokens_per_s"] > 0 and row["trainer_positions_per_s"] > 0
+    assert row["cache_bytes_written"] == 0 and 0 < row["store_peak_bytes"] <= row["store_bytes"]
+    assert "bottleneck:" in proc.stdout

@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -197,10 +198,17 @@ class StreamHost:
                 (self.rendezvous / "host.json").unlink(missing_ok=True)  # (no trial joins after this)
         self.subscribers = subscribers
         self.store = connect(self.spec.store, segment_bytes=self.window.segment_bytes(len(subscribers)))
+        self.store_peak, self._watching = 0, threading.Event()
+        if self.master is not None:  # the store's memory in use, sampled: its peak against the window
+            threading.Thread(target=self._watch_store, daemon=True).start()
         publish_json(self.store, f"{self.spec.name}-subscribers", subscribers)
         log.info("streaming states: %d samples to %d trial(s) through the Mooncake store at %s (window %d samples, "
                  "%.2f GB)", len(np.load(self.supervisor.job["plan"])), len(subscribers), self.spec.store.master,
                  self.window.samples, self.window.segment_bytes(len(subscribers)) / 1e9)  # fmt: skip
+
+    def _watch_store(self) -> None:
+        while not self._watching.wait(0.2):
+            self.store_peak = max(self.store_peak, self.master.allocated_bytes() or 0)
 
     def close(self) -> dict:
         """The stream ended for this trial: the others sharing it read to their end (or are dropped) first; then
@@ -223,7 +231,11 @@ class StreamHost:
                 # the engine waiting for room in the window: the trainers are the slower side
                 "stream/engine_wait_s": result.get("input_wait_s", 0.0),
                 "stream/window_samples": self.spec.window,
+                "stream/store_bytes": self.window.segment_bytes(len(self.subscribers)),  # mounted by rank 0
+                # the most of it samples held at once (sampled every 0.2 s; a master this run started)
+                "stream/store_peak_bytes": self.store_peak,
             }
+            self._watching.set()
             self.store.close()
         log.info("stream engine: %s", result)
         if self.master is not None:

@@ -123,13 +123,13 @@ class StoreMaster:
         require_mooncake()
         exe = shutil.which("mooncake_master")
         host = host or socket.gethostname()
-        self.address = StoreAddress(host, _free_port(), _free_port())
+        self.address, self.metrics_port = StoreAddress(host, _free_port(), _free_port()), _free_port()
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "w")  # noqa: SIM115 (kept open for the process's life)
         self.process = subprocess.Popen(
             [exe, f"--rpc_port={self.address.master_port}", "--enable_http_metadata_server=true",
              f"--http_metadata_server_port={self.address.metadata_port}", "--rpc_address=0.0.0.0",
-             "--http_metadata_server_host=0.0.0.0", f"--metrics_port={_free_port()}"],  # (its admin server: 9003 else)
+             "--http_metadata_server_host=0.0.0.0", f"--metrics_port={self.metrics_port}"],  # (9003 else)
             stdout=self._log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         until = time.monotonic() + 30
@@ -142,6 +142,17 @@ class StoreMaster:
                     self.stop()
                     raise DataError(f"mooncake_master did not start (see {log_path})") from None
                 time.sleep(0.1)
+
+    def allocated_bytes(self) -> int | None:
+        """The store's memory holding objects now (the master's Prometheus `master_allocated_bytes`)."""
+        import urllib.request
+
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2).read().decode()
+        except OSError:
+            return None
+        return next((int(float(line.split()[1])) for line in text.splitlines()
+                     if line.startswith("master_allocated_bytes ")), None)  # fmt: skip
 
     def stop(self) -> None:
         if self.process.poll() is None:
