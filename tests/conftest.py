@@ -35,7 +35,7 @@ FILE_SECONDS = {
     "test_slurm": 134,
     "test_faults": 128,
     "test_sweeps": 93,
-    "test_stream": 135,
+    "test_stream": 175,
     "test_results": 60,
     "test_smollm2": 57,
     "test_benchmarks": 52,

@@ -139,3 +139,48 @@ def test_one_stream_feeds_a_sweep(paired, tmp_path):
         assert ours[key] == paired["stream"][1][key], key
     for name in trials:
         trained_once_each(tmp_path / "sweep" / name, trials[name])
+
+
+def test_a_subscriber_that_stops_reading_is_dropped_and_the_host_goes_on(paired, tmp_path):
+    """A trial that subscribes to a shared stream and then reads nothing (what a preempted or stalled trial does):
+    after features.stream.stall_s the engine drops it and the hosting trial trains on, to the drafter its own stream
+    gives; the dropped trial's reader stops with one line."""
+    from eaglelab.data.stream import StreamReader, connect, read_json
+    from eaglelab.errors import EaglelabError
+    from eaglelab.io import file_lock
+    from eaglelab.streamed import admitted, subscribe
+
+    cache, results = paired["cache"], tmp_path / "results"
+    args = [*SMOKE, "features=stream", "features.stream.share=true", "features.stream.join_s=15",
+            "features.stream.stall_s=3", "features.stream.window_gb=0.002", "data.capture_backend=vllm"]  # fmt: skip
+    before = set((cache / "streams").glob("*/host.json")) if (cache / "streams").exists() else set()
+    command = [sys.executable, str(ROOT / "src" / "run.py"), *args]
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    host = subprocess.Popen(command, cwd=ROOT, env=cli_env(cache, results), **pipes)
+    try:
+        deadline = time.time() + 300
+        while not (found := set((cache / "streams").glob("*/host.json")) - before):
+            assert time.time() < deadline and host.poll() is None, host.stderr.read()[-2000:] if host.poll() else ""
+            time.sleep(0.05)
+        rendezvous = next(iter(found)).parent
+        with file_lock(rendezvous / "lock"):
+            spec = subscribe(rendezvous)
+        assert spec is not None and admitted(spec, 120), "subscribed within the joining time"
+        store = connect(spec.store)
+        while read_json(store, f"{spec.name}-dropped-{spec.subscriber}") is None:
+            assert time.time() < deadline and host.poll() is None, "the engine drops a subscriber that reads nothing"
+            time.sleep(0.05)
+        with pytest.raises(EaglelabError, match="fell a whole window behind the stream it shared and was dropped"):
+            StreamReader(spec).read(0, 8)
+        store.close()
+        _, err = host.communicate(timeout=600)
+    finally:
+        if host.poll() is None:
+            host.kill()
+    assert host.returncode == 0, err[-2000:]
+    run_dir = next(results.glob("runs/*"))
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["stream/subscribers"] == 2
+    assert "dropped subscriber 1" in (run_dir / "stream" / "vllm.log").read_text()
+    for key in COMPARED:
+        assert metrics[key] == paired["stream"][1][key], key

@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import shutil
 import threading
 import time
 import uuid
@@ -180,7 +181,8 @@ class StreamHost:
             address = self.master.address
         self.spec = StreamSpec(uuid.uuid4().hex[:12], asdict(address), window=window.samples, **spec_fields)
         self.window = window
-        if rendezvous is not None:  # (written under the rendezvous lock: see `join`)
+        if rendezvous is not None:  # (under the rendezvous lock: see `streamed_states`)
+            shutil.rmtree(rendezvous / "subscribers", ignore_errors=True)  # an earlier stream's of this key
             atomic_write_json(rendezvous / "host.json", {**asdict(self.spec), "join_until": self.join_until})
         plan_file = run_dir / "stream" / "plan.npy"
         np.save(plan_file, job.pop("plan_rows"))

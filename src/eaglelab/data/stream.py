@@ -272,7 +272,7 @@ class StreamReader:
         until = time.monotonic() + spec.wait_s
         while True:
             try:
-                sample = store.get_sample(manifest, timeout=5.0, poll_interval=0.01)
+                sample = store.get_sample(manifest, timeout=1.0, poll_interval=0.01)
                 break
             except TimeoutError:
                 if (failed := read_json(store, f"{spec.name}-failed")) is not None:
