@@ -184,3 +184,40 @@ def test_a_subscriber_that_stops_reading_is_dropped_and_the_host_goes_on(paired,
     assert "dropped subscriber 1" in (run_dir / "stream" / "vllm.log").read_text()
     for key in COMPARED:
         assert metrics[key] == paired["stream"][1][key], key
+
+
+def test_a_killed_trial_resumes_on_a_stream_of_its_own(paired, tmp_path):
+    """SIGKILL to the whole trial mid-training (trainer, engine and store together, as a dead node takes them):
+    nothing of it outlives it, and the same command resumes from its checkpoint on a new stream whose engine starts
+    at the first unread batch, to the uninterrupted stream's drafter."""
+    import os
+    import signal
+
+    run_dir = tmp_path / "run"
+    args = [*SMOKE, "features=stream", "data.capture_backend=vllm", "train.checkpoint_every_n_steps=3",
+            f"hydra.run.dir={run_dir}"]  # fmt: skip
+    command = [sys.executable, str(ROOT / "src" / "run.py"), *args]
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, "start_new_session": True}
+    proc = subprocess.Popen(command, cwd=ROOT, env=cli_env(paired["cache"], tmp_path), **pipes)
+    try:
+        deadline = time.time() + 300
+        while not (run_dir / "lightning" / "last.ckpt").exists():
+            assert time.time() < deadline and proc.poll() is None, proc.stderr.read()[-2000:] if proc.poll() else ""
+            time.sleep(0.02)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert any("mooncake_master" in " ".join(p.cmdline()) for p in children)
+        proc.kill()  # (the run's process alone: what it started must die with it)
+        proc.wait()
+        gone, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, [p.cmdline()[:2] for p in alive]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    resumed = run_cli(args, paired["cache"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert json.loads((run_dir / "run.json").read_text())["attempt"] == 2
+    plan = np.load(run_dir / "stream" / "plan.npy")
+    assert 0 < metrics["stream/samples_streamed"] < len(plan), "the new stream starts at the first unread batch"
+    for key in COMPARED:
+        assert metrics[key] == paired["stream"][1][key], key

@@ -70,7 +70,7 @@ class Server:
     """One vLLM OpenAI server process, ended (with its engine) when the block ends or this process dies."""
 
     def __init__(self, job: dict, k: int | None, log_path: Path, kv_cache_bytes: int | None):
-        from eaglelab.vllm_engine import _die_with_parent
+        from eaglelab.vllm_engine import die_with_parent
 
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -83,7 +83,7 @@ class Server:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> float:

@@ -74,7 +74,7 @@ def cuda_available() -> bool:
 
 
 # --- the caller's side ---------------------------------------------------------------------------
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the engine process, before vLLM starts: the kernel kills it when the run dies (SIGKILL, a dead node
     leaves no chance to clean up), so an orphaned engine never holds the accelerator or races the rerun's."""
     if sys.platform.startswith("linux"):
@@ -88,7 +88,7 @@ def _engine_process(cpus: list[int] | None):
     backend binds its threads within the process's affinity)."""
 
     def start():
-        _die_with_parent()
+        die_with_parent()
         if cpus:
             os.sched_setaffinity(0, cpus)
 

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from eaglelab.errors import DataError, EaglelabError
+from eaglelab.vllm_engine import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ class StoreMaster:
             [exe, f"--rpc_port={self.address.master_port}", "--enable_http_metadata_server=true",
              f"--http_metadata_server_port={self.address.metadata_port}", "--rpc_address=0.0.0.0",
              "--http_metadata_server_host=0.0.0.0", f"--metrics_port={self.metrics_port}"],  # (9003 else)
-            stdout=self._log, stderr=subprocess.STDOUT,
+            stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent,  # (never an orphan master)
         )  # fmt: skip
         until = time.monotonic() + 30
         while True:
