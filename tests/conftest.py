@@ -32,7 +32,7 @@ SLOW_MODULES = {
 FILE_SECONDS = {
     "test_vllm": 320,
     "test_launch": 138,
-    "test_slurm": 134,
+    "test_slurm": 175,
     "test_faults": 128,
     "test_sweeps": 93,
     "test_stream": 175,

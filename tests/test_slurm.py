@@ -289,3 +289,26 @@ def test_unknown_partition_is_refused_before_submission(slurm, cache_dir, tmp_pa
         "error: Slurm partition 'nope' does not exist; set hydra.launcher.partition to one of: debug, nodes"
     )
     assert len(_sacct("JobID")) == before and not (tmp_path / "sweep" / ".submitit").exists()
+
+
+def test_stream_engine_on_one_node_trainer_on_the_other(slurm, cache_dir, tmp_path):
+    """features=stream split over two namespace nodes: the trial's trainer a Slurm job on n2, the stream's engine a
+    Slurm job of its own on n1 (features.stream.engine_launcher=srun ...), the states crossing the bridge through the
+    Mooncake store the trial started on n2 (no file system in their path)."""
+    sweep = tmp_path / "split"
+    split = ["hydra.launcher.partition=nodes", "+hydra.launcher.additional_parameters.nodelist=n2",
+             "hydra.launcher.mem_gb=3", "features=stream", "features.stream.window_gb=0.05",
+             "features.stream.engine_launcher='srun -p nodes -w n1 -N1 -n1 -c1 --mem=3G'"]  # fmt: skip
+    proc = run_cli(["-m", *QUICK, *SLURM, *split, f"hydra.sweep.dir={sweep}"], cache_dir, tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (trial,) = [p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    metrics = json.loads((trial / "metrics.json").read_text())
+    engine_log = (trial / "stream" / "vllm.log").read_text()
+    assert "engine on n1, from sample 0" in engine_log
+    assert re.search(
+        r"streaming states: \d+ samples to 1 trial\(s\) through the Mooncake store at n2:",
+        (trial / "run.log").read_text(),
+    )
+    assert metrics["stream/samples_streamed"] > 0 and metrics["stream/engine_restarts"] == 0
+    jobs = {name: node for _, name, node in _sacct("JobID", "JobName", "NodeList")[-2:]}
+    assert set(jobs.values()) == {"n1", "n2"}, jobs  # the trial's job and the engine's

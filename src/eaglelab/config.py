@@ -237,6 +237,9 @@ class StreamConfig:
     # far ahead of the trainers. It must hold what the loaders read ahead of the step (checked before training).
     window_gb: float = 1.0
     restarts: int = 3  # times a dead engine is started again (resuming where it was) before the run fails
+    # Where the engine runs: null, beside trainer rank 0; a command it runs under, e.g. "srun -p gpu -N1 --gres=gpu:4"
+    # (a Slurm job of its own on other nodes: the engine's devices never taken from the trainers)
+    engine_launcher: str | None = None
     # Trials of a sweep that would stream the same samples in the same order (target, data, aux layers, final state,
     # data order, batches, epochs, ranks: set train.data_seed to share across seeds) share one stream: one target pass
     # for all of them. The first to arrive hosts it; those arriving within join_s seconds subscribe.

@@ -139,7 +139,8 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
                      "vLLM's hidden-states connector")  # fmt: skip
     if cfg.features.kind == "stream" and cfg.checkpoint is None:  # Mooncake here, the store reachable; vLLM streams
         require_vllm()
-        check_stream(cfg.features.stream.master, cfg.features.stream.metadata_port)
+        s = cfg.features.stream
+        check_stream(s.master, s.metadata_port, s.engine_launcher)
     with timer("convert"):  # the target (SmolLM2's GGUF converted once, then cached), where training runs
         device = target_device(cfg.train.accelerator)
         target = load_target(cfg.target, cfg.paths.cache_dir, device=device, will_load=hf_model)

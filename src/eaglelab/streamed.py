@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import shlex
 import shutil
 import threading
 import time
@@ -188,7 +189,8 @@ class StreamHost:
         np.save(plan_file, job.pop("plan_rows"))
         job = {**job, "mode": "stream", "plan": str(plan_file), "name": self.spec.name, "address": self.spec.address,
                "window": window.samples, "stall_s": s.stall_s}  # fmt: skip
-        self.supervisor = EngineSupervisor(job, run_dir / "stream", s.restarts)  # (it loads while trials join)
+        launcher = shlex.split(s.engine_launcher) if s.engine_launcher else None
+        self.supervisor = EngineSupervisor(job, run_dir / "stream", s.restarts, launcher)  # (loads while trials join)
 
     def open(self) -> None:
         """Once the joining time is over: the subscribers known, their windows mounted, the engine told."""

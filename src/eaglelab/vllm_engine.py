@@ -103,12 +103,15 @@ def run_engine(
     module: str = __name__,
     cpus: list[int] | None = None,
     dealt: bool = False,
+    launcher: list[str] | None = None,
 ) -> dict:
     """Run one job in a fresh engine process (`python -m module`: this module's jobs, or another's that calls
     `main` with its own handler); its log goes to `workdir/vllm.log`. Raises EaglelabError naming the log when the
     engine fails, so the caller can mark its stage failed and keep the rest. `cpus`: on a CPU box, the cores the
     engine keeps to (several ranks' engines at once, eaglelab.spread); None: this process's. `dealt`: the devices
-    from this rank's own onwards are its engine's (eaglelab.devices.engine_placement)."""
+    from this rank's own onwards are its engine's (eaglelab.devices.engine_placement). `launcher`: a command the
+    engine runs under (`srun -p gpu -N1 ...`: a job of its own, elsewhere); the job's Slurm variables are not
+    passed to it, so srun makes a new allocation instead of a step of this job."""
     require_vllm()
     from tqdm.auto import tqdm
 
@@ -124,8 +127,9 @@ def run_engine(
     )
     job = {**job, **placement}
     job_path.write_text(json.dumps(job))
+    inherited = {k: v for k, v in os.environ.items() if not (launcher and k.startswith("SLURM_") and k != "SLURM_CONF")}
     env = {
-        **os.environ,
+        **inherited,
         **device_env,
         **cpu_threads_bind(devices, cpus),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -136,7 +140,7 @@ def run_engine(
         tqdm(total=job.get("engines", 1), desc=desc, unit=job.get("unit", "engine"), leave=False) as bar,
     ):
         proc = subprocess.Popen(
-            [sys.executable, "-m", module, str(job_path), str(out_path)],
+            [*(launcher or []), sys.executable, "-m", module, str(job_path), str(out_path)],
             preexec_fn=_engine_process(cpus),
             env=env,
             stdout=subprocess.PIPE,

@@ -104,11 +104,16 @@ def require_mooncake() -> None:
                         "activate the environment scripts/setup.sh installed into")  # fmt: skip
 
 
-def check_stream(master: str | None, metadata_port: int) -> None:
-    """Before any work: Mooncake installed, and the store a run names reachable."""
+def check_stream(master: str | None, metadata_port: int, engine_launcher: str | None = None) -> None:
+    """Before any work: Mooncake installed, the store a run names reachable, the engine's launcher on PATH."""
     require_mooncake()
     if master:
         StoreAddress.parse(master, metadata_port).check_reachable()
+    if engine_launcher and shutil.which(program := engine_launcher.split()[0]) is None:
+        raise DataError(
+            f"features.stream.engine_launcher={engine_launcher!r}: {program} is not on PATH; name a launcher this "
+            "node has (srun), or leave it null to run the engine here"
+        )
 
 
 def _free_port() -> int:
@@ -313,8 +318,8 @@ class EngineSupervisor:
     rank 0 and started again when it dies (`restarts` times): it resumes where it had published up to. `stop()` asks
     it to end (`<stream>-stop`) and waits for it."""
 
-    def __init__(self, job: dict, workdir: Path, restarts: int):
-        self.job, self.workdir, self.restarts = job, workdir, restarts
+    def __init__(self, job: dict, workdir: Path, restarts: int, launcher: list[str] | None = None):
+        self.job, self.workdir, self.restarts, self.launcher = job, workdir, restarts, launcher
         self.deaths, self.error, self.result = 0, None, None
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="eaglelab-stream-engine", daemon=True)
@@ -327,7 +332,7 @@ class EngineSupervisor:
             try:
                 self.result = run_engine(
                     {**self.job, "attempt": self.deaths}, self.workdir, timeout=10**7, desc="stream states (vLLM)",
-                    module="eaglelab.data.vllm_capture",
+                    module="eaglelab.data.vllm_capture", launcher=self.launcher,
                 )  # fmt: skip
                 return
             except EaglelabError as e:

@@ -282,6 +282,7 @@ def stream_job(job: dict) -> dict:
             return out
         time.sleep(0.01)
     start = max(start, read_json(store, f"{name}-produced") or 0)  # (a killed engine's published samples stand)
+    print(f"stream {name}: engine on {socket.gethostname()}, from sample {start}", file=sys.stderr, flush=True)
     dropped = {i for i in read_json(store, f"{name}-subscribers") if client.is_exist(f"{name}-dropped-{i}") == 1}
     subscribers = [i for i in read_json(store, f"{name}-subscribers") if i not in dropped]
     step = min(BATCH, job["window"])  # (a batch never overshoots the window)
