@@ -44,10 +44,12 @@ RANK = {
     "eaglelab.data.self_chat": 2,  # prompts the target writes: they need the target
     "eaglelab.data.vllm_capture": 2,  # the capture engine's process (vLLM's hidden-states connector)
     "eaglelab.data.stage": 2,  # the data stage: sources -> prompts -> engine -> store
+    "eaglelab.data.stream": 2,  # streamed states: the store, its readers, the supervised engine (features=stream)
     # 3: train
     "eaglelab.batches": 3,
     "eaglelab.training": 3,
     "eaglelab.trainer": 3,
+    "eaglelab.streamed": 3,  # the trainers' side of a stream: its plan, positioned samplers, its life around fit
     # 4: export
     "eaglelab.export": 4,
     # 5: evaluate (and its per-run figures)

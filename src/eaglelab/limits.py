@@ -420,14 +420,29 @@ def estimate_memory(cfg: RunConfig, target: Target, drafter: Eagle3Config, sets:
             else f"train.batch_size={cfg.train.batch_size}"
         )
         holds_target = cfg.features.kind in ("online", "hybrid")  # (streamed states come from an engine's process)
+        stream = stream_host_bytes(cfg, target.weights_bytes) if device.type == "cpu" else 0
         stages["train"] = StageCost(
-            int(train_bytes(cfg, t, drafter, train, slack, device)) + (weights if holds_target else 0),
-            f"{batching} × {train.bound} × train.ttt_steps={cfg.train.ttt_steps}",
-            f"{batching.split('=')[0]}, data.max_length or train.ttt_steps",
+            int(train_bytes(cfg, t, drafter, train, slack, device)) + (weights if holds_target else 0) + stream,
+            f"{batching} × {train.bound} × train.ttt_steps={cfg.train.ttt_steps}"
+            + (f" + the stream's store and engine ({stream / GB:.1f} GB)" if stream else ""),
+            f"{batching.split('=')[0]}, data.max_length or train.ttt_steps"
+            + (", features.stream.window_gb or features.stream.engine_launcher" if stream else ""),
         )
     if sets and cfg.stage == "all":  # on the training device, as training (the pipeline moves the drafter there)
         stages["evaluate"] = evaluation_cost(cfg, t, drafter, sets, slack)
     return MemoryEstimate(device, _held_now(device) + cublas_workspace_bytes(device), free_memory(device), stages)
+
+
+def stream_host_bytes(cfg: RunConfig, target_weights: int) -> int:
+    """Host memory a streamed run adds beside trainer rank 0 (features=stream): the store's memory (the window, with
+    the room Mooncake's eviction needs: eaglelab.data.stream.STORE_FILL), and, with the engine on the same machine
+    (no features.stream.engine_launcher), the target's weights in the engine's process."""
+    if cfg.features.kind != "stream":
+        return 0
+    from eaglelab.data.stream import STORE_FILL
+
+    store = int(cfg.features.stream.window_gb * 1e9 / STORE_FILL)
+    return store + (0 if cfg.features.stream.engine_launcher else target_weights)
 
 
 def check_fits_memory(estimate: MemoryEstimate) -> None:
