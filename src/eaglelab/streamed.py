@@ -52,31 +52,22 @@ class StreamPlan:
         rows: list[int] = []
         self.train_start: dict[tuple[int, int], int] = {}  # (epoch, global batch) -> its first position
         self.val_start: dict[tuple[int, int], int] = {}  # (epoch, validation batch j) -> its first position
-        self.epoch_end: list[int] = []
+        self.widest = max([sum(map(len, r)) for r in zip(*val_batches)], default=1)  # the most samples of one batch
         kept = train.epoch
         for e in range(epochs):
-            train.set_epoch(e)
+            train.set_epoch(e)  # (a token budget's batches differ from epoch to epoch)
             for b, batch in enumerate(train._global_batches()):
                 self.train_start[e, b] = len(rows)
+                self.widest = max(self.widest, len(batch))
                 for r in range(world):
                     rows += [train_rows[i] for i in batch[r::world].tolist()]
             for j in range(max(map(len, val_batches), default=0)):
                 self.val_start[e, j] = len(rows)
                 for share in val_batches:
                     rows += [val_rows[i] for i in (share[j] if j < len(share) else [])]
-            self.epoch_end.append(len(rows))
         train.set_epoch(kept)
         self.rows = np.asarray(rows, dtype=np.int64)
         self.val_batches = val_batches
-        self.widest = max([len(b) for b in _each(train, epochs)] + [sum(map(len, r)) for r in zip(*val_batches)] + [1])
-
-
-def _each(train: EpochBatches, epochs: int):
-    kept = train.epoch
-    for e in range(min(epochs, 1)):  # (every epoch's batches have the same sizes: the first stands for all)
-        train.set_epoch(e)
-        yield from train._global_batches()
-    train.set_epoch(kept)
 
 
 class StartMarker:
@@ -167,7 +158,7 @@ class StreamHost:
     """Trainer rank 0 of the trial hosting a stream: the store (a mooncake_master started here, or the one
     `features.stream.master` names) with every subscriber's window mounted in this process's memory, and the
     supervised engine. With `rendezvous` (a folder under the shared cache, one per stream key), trials of a sweep that
-    arrive within `features.stream.join_s` subscribe to it (`join`) instead of starting their own."""
+    arrive within `features.stream.join_s` subscribe to it (`subscribe`) instead of starting their own."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, window: Window, spec_fields: dict, job: dict,
                  rendezvous: Path | None):  # fmt: skip
@@ -186,6 +177,7 @@ class StreamHost:
             shutil.rmtree(rendezvous / "subscribers", ignore_errors=True)  # an earlier stream's of this key
             atomic_write_json(rendezvous / "host.json", {**asdict(self.spec), "join_until": self.join_until})
         plan_file = run_dir / "stream" / "plan.npy"
+        plan_file.parent.mkdir(parents=True, exist_ok=True)
         np.save(plan_file, job.pop("plan_rows"))
         job = {**job, "mode": "stream", "plan": str(plan_file), "name": self.spec.name, "address": self.spec.address,
                "window": window.samples, "stall_s": s.stall_s}  # fmt: skip
@@ -222,7 +214,10 @@ class StreamHost:
             done = lambda i=i: any(read_json(self.store, f"{name}-{w}-{i}") is not None for w in ("done", "dropped"))  # noqa: E731
             while not done() and time.time() < until and self.supervisor.error is None:
                 time.sleep(0.1)
-        self.supervisor.stop(self.store)
+        try:
+            self.supervisor.stop(self.store)
+        except DataError as e:  # (the store already gone: the engine dies with this process anyway)
+            log.warning("could not ask the stream's engine to stop: %s", e)
         result, metrics = self.supervisor.result or {}, {}
         if self.store is not None:
             metrics = {
