@@ -92,6 +92,23 @@ def test_a_loss_or_ttt_grid_prepares_one_data_set_for_every_trial(sweep, cache_d
     assert len(lines) == 1 and "at least 2 copies" in lines[0] and f"add {fix} to prepare one" in lines[0], lines
 
 
+def test_a_sweep_that_cannot_share_its_stream_is_told(cache_dir, tmp_path):
+    """features.stream.share asks trials to subscribe to one stream: a launcher that runs them one after another, or
+    seeds with their own data orders, cannot; one line says which, and nothing when they can."""
+    from eaglelab.sweeps import warn_unshared
+
+    share = ["features=stream", "features.stream.share=true"]
+    seeds = [compose([*share, f"train.seed={s}"], cache_dir, tmp_path) for s in (0, 1)]
+    ordered = [compose([*share, f"train.seed={s}", "train.data_seed=0"], cache_dir, tmp_path) for s in (0, 1)]
+    local = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher"
+    with _logged("eaglelab.sweeps") as lines:
+        warn_unshared(ordered, "hydra._internal.core_plugins.basic_launcher.BasicLauncher")
+        warn_unshared(seeds, local)
+        warn_unshared(ordered, local)
+    assert len(lines) == 2, lines
+    assert "runs its trials one after another" in lines[0] and "set train.data_seed" in lines[1]
+
+
 def _logged(name: str):
     """The lines logger `name` writes inside the block."""
     import contextlib

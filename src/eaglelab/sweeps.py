@@ -120,6 +120,7 @@ def check_sweep_params(config: DictConfig) -> None:
             _fail(f"a trial of this sweep would fail: {e}")
         trials.append(run_cfg)
     warn_copies(trials)
+    warn_unshared(trials, OmegaConf.select(config, "hydra.launcher._target_") or "")
 
 
 def warn_copies(trials: list) -> None:
@@ -141,6 +142,24 @@ def warn_copies(trials: list) -> None:
         len(copies),
         " ".join(fix),
     )
+
+
+def warn_unshared(trials: list, launcher: str) -> None:
+    """One line when trials that ask to share a stream (features.stream.share) cannot: a launcher that runs them one
+    after another (each would wait features.stream.join_s for nobody), or seeds that give each its own data order."""
+    sharing = [c for c in trials if c.features.kind == "stream" and c.features.stream.share]
+    if len(sharing) < 2:
+        return
+    if launcher.endswith("BasicLauncher"):
+        log.warning(
+            "features.stream.share: this sweep's launcher runs its trials one after another, so none can share a "
+            "stream (each waits features.stream.join_s for others); use hydra/launcher=local or slurm"
+        )
+    elif len({c.train.seed for c in sharing}) > 1 and any(c.train.data_seed is None for c in sharing):
+        log.warning(
+            "features.stream.share: trials of different train.seed read in different orders, so each seed gets a "
+            "stream of its own; set train.data_seed to give them one order and one stream"
+        )
 
 
 def check_slurm(config: DictConfig) -> None:
