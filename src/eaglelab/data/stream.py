@@ -4,8 +4,8 @@ Mooncake store, and nothing is written to disk per training token.
     token shards (the cache's regen/ entry: ids, 4 bytes a token)
         -> capture engine (eaglelab.data.vllm_capture.stream_job: one prefill per sequence, vLLM's
            extract_hidden_states, hs_connectors' Mooncake connector)
-        -> Mooncake store: one object per sample, `<stream>-<position>` (aux [T, n·H] and norm(h_L) [T, H] in
-           bf16, the greedy labels [T] int64; laid out by hs_connectors' `packed_layout`)
+        -> Mooncake store: one object per sample and trial reading it, `<stream>-<trial>-<position>` (aux [T, n·H]
+           and norm(h_L) [T, H] in bf16, the greedy labels [T] int64; laid out by hs_connectors' `packed_layout`)
         -> trainer ranks (StreamReader: read, then removed)
 
 The order is the trainers' own. The trainer lists, before training, every sample it will read, epoch by epoch (the
@@ -42,7 +42,7 @@ import torch
 from eaglelab.errors import DataError, EaglelabError
 from eaglelab.vllm_engine import die_with_parent
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("eaglelab")
 
 # The store's memory kept free of samples: Mooncake evicts objects above 90 % of it (its eviction high watermark),
 # and a sample evicted before it is read would be lost. The engine's raw per-request objects (all its captured
