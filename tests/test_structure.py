@@ -40,6 +40,7 @@ RANK = {
     "eaglelab.data.capture": 2,
     "eaglelab.data.store": 2,
     "eaglelab.data.prepare": 2,
+    "eaglelab.data.render": 2,  # conversations -> ids in the target's template (the data stage's first step)
     "eaglelab.data.vocab": 2,
     "eaglelab.data.self_chat": 2,  # prompts the target writes: they need the target
     "eaglelab.data.vllm_capture": 2,  # the capture engine's process (vLLM's hidden-states connector)

@@ -37,6 +37,7 @@ from eaglelab.data.regenerate import (
     response_budget,
     stop_ids,
 )
+from eaglelab.data.render import render_prompts
 from eaglelab.data.store import (
     Sequences,
     StateStore,
@@ -55,15 +56,9 @@ from eaglelab.data.store import (
     state_shards_meta,
     write_token_shard,
 )
-from eaglelab.data.templates import template_prompt, template_response
 from eaglelab.data.turns import (
     Conversation,
-    history,
-    is_multi_turn,
-    longest_prompt,
-    original_turns,
     regenerate_turns,
-    rounds,
 )
 from eaglelab.errors import DataError, ResourceError
 from eaglelab.io import file_lock
@@ -202,55 +197,15 @@ def prepare_features(
     stats = PrepareStats(prompts=len(prompts))
     limit = min(max_length, target.max_context)
 
-    # 1. Prompts in the target's chat template; those that leave no room for a response are skipped. A multi-turn
-    # conversation answered turn by turn (turns=all) is kept when its first round fits; the rounds that follow are
-    # rendered as the target answers them (eaglelab.data.turns), and the longest its last prompt can be sizes and
-    # sorts it.
-    flags = is_val or [False] * len(prompts)  # per prompt: a validation prompt (never trained on)
-    templated, is_val, originals, spans, conversations, multi, sizes = [], [], [], [], [], [], []
-    stops = sorted(stop_ids(target))  # part of what determines the sequences, and stored with them
-    chat = lambda m: template_prompt(target.tokenizer, m, system_prompt)  # noqa: E731
-    respond = lambda m, ids: template_response(target.tokenizer, m, system_prompt, ids, set(stops))  # noqa: E731
-    for messages, validation in zip(prompts, flags, strict=True):
-        question = messages[:-1] if messages[-1]["role"] == "assistant" else messages
-        every_turn = turns == "all" and render is None and is_multi_turn(question)
-        if every_turn and question is not messages:  # the source's turns, each a span
-            said = original_turns(messages, chat, respond)
-            ids, size = said.prompt, len(said.prompt)
-        elif every_turn:
-            ids, size = chat(history(question, rounds(question)[0], [])), longest_prompt(question, chat, max_new_tokens)
-        else:
-            ids = render(target.tokenizer, question) if render else chat(question)
-            size = len(ids)
-        if len(ids) + 8 > limit:
-            stats.skipped_too_long += 1
-            continue
-        templated.append(np.asarray(ids, np.int32))  # (4 bytes a token: a Python list of ids holds ~36)
-        is_val.append(validation)
-        conversations.append(question)
-        multi.append(every_turn)
-        sizes.append(size)
-        spans.append(said.spans if every_turn and question is not messages else [])
-        if question is not messages:
-            answer = said.response if every_turn else respond(messages, ids)
-            originals.append(answer[: response_budget(len(ids), max_new_tokens, limit)])
-    turned = conversations if any(multi) and not originals else None  # answered turn by turn
-    if originals and len(originals) != len(templated):
-        raise DataError(f"{name}: some prompts end with an assistant turn and some do not; use one kind of source")
-    if stats.skipped_too_long:
-        log.warning(
-            "%s: skipped %d of %d prompts longer than the context (%d tokens)",
-            name,
-            stats.skipped_too_long,
-            len(prompts),
-            limit,
-        )
-    if not templated:
-        raise DataError(
-            f"{name}: the dataset is empty after filtering ({len(prompts)} prompts, "
-            f"{stats.skipped_too_long} longer than {limit} tokens); raise data.max_length "
-            "or give more/shorter prompts"
-        )
+    # 1. Prompts in the target's chat template (eaglelab.data.render); those that leave no room for a response are
+    # skipped.
+    rendered = render_prompts(target, prompts, is_val, system_prompt=system_prompt, render=render, turns=turns,
+                              max_new_tokens=max_new_tokens, limit=limit, name=name)  # fmt: skip
+    stats.skipped_too_long = rendered.skipped
+    templated, is_val, originals, spans = rendered.templated, rendered.is_val, rendered.originals, rendered.spans
+    conversations, multi, sizes, stops, turned = (
+        rendered.conversations, rendered.multi, rendered.sizes, rendered.stops, rendered.turned
+    )  # fmt: skip
     # Sorted by length (stable), then cut into shards: the store's row order.
     order = sorted(range(len(templated)), key=lambda i: sizes[i])
     shards = [order[s : s + shard_size] for s in range(0, len(order), shard_size)]
