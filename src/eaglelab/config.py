@@ -249,6 +249,12 @@ class StreamConfig:
     wait_s: float = 900.0  # a trainer waiting this long for one sample fails with one line (an engine's start counts)
 
 
+# What each features.kind does, decided here once: the kinds whose training runs the target itself (online, and
+# hybrid's first epoch), and the kinds whose states are cached on disk.
+TARGET_IN_TRAINING = ("online", "hybrid")
+STATES_ON_DISK = ("cached", "hybrid")
+
+
 @dataclass
 class FeaturesConfig:
     """Where the target's hidden states come from during training (the `features` group).

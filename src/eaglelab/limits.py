@@ -53,7 +53,15 @@ from pathlib import Path
 
 import torch
 
-from eaglelab.config import RunConfig, check_depths_and_lengths, max_k, on_cuda, resolve_capture_backend
+from eaglelab.config import (
+    STATES_ON_DISK,
+    TARGET_IN_TRAINING,
+    RunConfig,
+    check_depths_and_lengths,
+    max_k,
+    on_cuda,
+    resolve_capture_backend,
+)
 from eaglelab.devices import cpu_bf16_kernels
 from eaglelab.draft_loss import chunk_rows, chunks_cost_more, keeps_teacher
 from eaglelab.drafter import Attention, Eagle3Config
@@ -334,7 +342,7 @@ def data_plan(cfg: RunConfig, d: Eagle3Config, train: PromptSet) -> DataPlan:
     from eaglelab.data.store import state_bytes
 
     with_final = training_entry(cfg)["with_final"]
-    on_disk = cfg.features.kind in ("cached", "hybrid")  # (online and streamed states are never on disk)
+    on_disk = cfg.features.kind in STATES_ON_DISK
     states = state_bytes(len(d.aux_layer_ids), d.target_hidden_size, with_final) if on_disk else 0
     mean = train.tokens_bound / max(train.sequences, 1)
     step = cfg.train.tokens_per_batch or int(cfg.train.batch_size * mean)
@@ -419,7 +427,7 @@ def estimate_memory(cfg: RunConfig, target: Target, drafter: Eagle3Config, sets:
             if cfg.train.tokens_per_batch
             else f"train.batch_size={cfg.train.batch_size}"
         )
-        holds_target = cfg.features.kind in ("online", "hybrid")  # (streamed states come from an engine's process)
+        holds_target = cfg.features.kind in TARGET_IN_TRAINING  # (streamed states come from an engine's process)
         stream = stream_host_bytes(cfg, target.weights_bytes) if device.type == "cpu" else 0
         stages["train"] = StageCost(
             int(train_bytes(cfg, t, drafter, train, slack, device)) + (weights if holds_target else 0) + stream,
@@ -626,7 +634,7 @@ def train_bytes(
     kept = ttt_kept_bytes(B, T, S, response, d, lowp, stream, train.activation_checkpointing, kl)
     step = kept + unroll_alive_bytes(B, T, S, rows, d, lowp, stream, kl=kl)
     validation = unroll_alive_bytes(B, T, 2 * S, rows, d, lowp, stream, kl=kl)
-    online = capture_bytes(t, len(d.aux_layer_ids), B * T, rows) if cfg.features.kind in ("online", "hybrid") else 0
+    online = capture_bytes(t, len(d.aux_layer_ids), B * T, rows) if cfg.features.kind in TARGET_IN_TRAINING else 0
     kernels = kernel_cache_bytes(cfg, d, data) if device.type == "cpu" else 0
     return drafter + optimizer + slack * (inputs + online + max(step, validation)) + kernels
 

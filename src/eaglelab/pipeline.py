@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from eaglelab import preemption
 from eaglelab.batches import OnlineStates
-from eaglelab.config import RunConfig, max_k
+from eaglelab.config import TARGET_IN_TRAINING, RunConfig, max_k
 from eaglelab.data.stage import (
     capture_backend,
     check_same_prompts,
@@ -129,7 +129,7 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
     writable_folder(Path(os.path.expanduser(cfg.paths.cache_dir)), "paths.cache_dir (or EAGLELAB_CACHE_DIR)")
     use_vllm = vllm_wanted(cfg)
     regen = regen_backend(cfg)
-    trains_online = cfg.checkpoint is None and cfg.features.kind in ("online", "hybrid") and cfg.stage == "all"
+    trains_online = cfg.checkpoint is None and cfg.features.kind in TARGET_IN_TRAINING and cfg.stage == "all"
     captures = capture_backend(cfg, regen)  # (a required but missing vLLM fails here)
     # A run whose stages run the HF model (HF regeneration or capture, online features) is refused first when it
     # cannot hold it (a cache already complete would not need it: the check does not know that yet).
@@ -190,7 +190,7 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
     # state: the KL teacher's, and what a hybrid run publishes when its entry keeps it, data.keep_final.)
     online = (
         OnlineStates(target.model, model_cfg.aux_layer_ids, online_final(cfg))
-        if drafter is None and cfg.features.kind in ("online", "hybrid")
+        if drafter is None and cfg.features.kind in TARGET_IN_TRAINING
         else None
     )
     # Streamed states: the engine that captures them, in its own process (the trainers never hold the target)

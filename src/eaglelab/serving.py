@@ -105,12 +105,9 @@ class Server:
         return self
 
     def __exit__(self, *exc):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        from eaglelab.vllm_engine import stop_process
+
+        stop_process(self.proc, 60)
 
 
 def timed_groups(job: dict) -> dict[str, dict]:

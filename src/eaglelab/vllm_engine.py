@@ -83,6 +83,16 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def stop_process(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM, then SIGKILL after `grace_s` seconds: a server or a store master given time to close cleanly."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _engine_process(cpus: list[int] | None):
     """What the engine process does before it runs: die with its parent, and keep to `cpus` where given (vLLM's CPU
     backend binds its threads within the process's affinity)."""

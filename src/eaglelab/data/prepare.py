@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from eaglelab.config import STATES_ON_DISK
 from eaglelab.data.capture import capture_batch
 from eaglelab.data.prompts import Messages
 from eaglelab.data.regenerate import (
@@ -242,7 +243,7 @@ def prepare_features(
     )
     asked = (tail_tokens, with_final)
     tail_tokens, regen_key, with_final = _covering_entry(
-        cache_dir, tails, regen_keys, with_final, feat_of, features in ("cached", "hybrid")
+        cache_dir, tails, regen_keys, with_final, feat_of, features in STATES_ON_DISK
     )
     feat_key = feat_of(regen_key, with_final)
     if (tail_tokens, with_final) != asked:
@@ -255,7 +256,7 @@ def prepare_features(
         cache_dir, name, sizes, shards, regen_dir, feat_dir,
         max_new_tokens=max_new_tokens + tail_tokens, limit=limit, backend=backend,
         # (hybrid writes them in its first epoch; a complete entry, e.g. one a hybrid run published: nothing to write)
-        state_bytes=per_token if features in ("cached", "hybrid") and not is_complete(feat_dir) else 0,
+        state_bytes=per_token if features in STATES_ON_DISK and not is_complete(feat_dir) else 0,
     )  # fmt: skip
     t0 = time.perf_counter()
     with contextlib.ExitStack() as locks:

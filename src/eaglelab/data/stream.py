@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from eaglelab.errors import DataError, EaglelabError
-from eaglelab.vllm_engine import die_with_parent
+from eaglelab.vllm_engine import die_with_parent, stop_process
 
 log = logging.getLogger("eaglelab")
 
@@ -162,12 +162,7 @@ class StoreMaster:
 
     def stop(self) -> None:
         if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+            stop_process(self.process, 10)
         self._log.close()
 
 
