@@ -21,9 +21,12 @@ from pathlib import Path
 
 
 def compare(target_kind: str, dtype: str, prompts: int, max_new_tokens: int, cache_dir: str, work: Path) -> dict:
+    from dataclasses import replace
+
     import torch
 
     from eaglelab.config import TargetConfig
+    from eaglelab.data.entry import CaptureSettings, SetRequest
     from eaglelab.data.prepare import prepare_features
     from eaglelab.data.prompts import mix_sources
     from eaglelab.targets import load_target
@@ -31,14 +34,14 @@ def compare(target_kind: str, dtype: str, prompts: int, max_new_tokens: int, cac
     target = load_target(TargetConfig(kind=target_kind, dtype=dtype), cache_dir)
     aux = target.default_aux_layer_ids()
     chats = mix_sources(["stdlib_docstrings", "pydoc_topics"], prompts, seed=0)
-    kw = dict(name="bench", aux_layer_ids=aux, system_prompt=None, max_new_tokens=max_new_tokens, max_length=1024)
-    kw.update(batch_size=16, backend="hf", with_final=True, shard_size=32)
+    ask = SetRequest("bench", max_new_tokens, with_final=True)
+    how = CaptureSettings(work, aux, None, max_length=1024, batch_size=16, backend="hf", shard_size=32)
     # One regeneration (HF: the faster here), tokens only; then each backend's capture into its own cache entry,
     # `seconds["capture"]` the capture alone.
-    _, regen = prepare_features(target, chats, cache_dir=work, features="online", **kw)
-    hf, hf_stats = prepare_features(target, chats, cache_dir=work, capture_backend="hf", **kw)
+    _, regen = prepare_features(target, chats, replace(ask, features="online"), how)
+    hf, hf_stats = prepare_features(target, chats, ask, replace(how, capture_backend="hf"))
     assert hf_stats.regen_cached and not hf_stats.capture_cached
-    engine, engine_stats = prepare_features(target, chats, cache_dir=work, capture_backend="vllm", **kw)
+    engine, engine_stats = prepare_features(target, chats, ask, replace(how, capture_backend="vllm"))
     assert engine_stats.regen_cached and not engine_stats.capture_cached
     seconds = {"hf": hf_stats.seconds["capture"], "vllm": engine_stats.seconds["capture"]}
     tokens = int(hf.tokens.lengths().sum())

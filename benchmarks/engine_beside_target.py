@@ -34,6 +34,7 @@ def run(args) -> dict:
     import torch
 
     from eaglelab.config import TargetConfig, TinyTargetConfig
+    from eaglelab.data.entry import CaptureSettings, SetRequest
     from eaglelab.data.prepare import prepare_features
     from eaglelab.data.prompts import mix_sources
     from eaglelab.devices import engine_placement, local_cuda_device
@@ -56,12 +57,12 @@ def run(args) -> dict:
         free, total, held = free_memory(device), None, hold.numel()
     placement, engine_env = engine_placement()  # the same call run_engine makes for the engine below
     prompts = mix_sources(["stdlib_docstrings"], args.prompts, seed=2)
-    kw = dict(name="beside", aux_layer_ids=[2, 4, 5], system_prompt=None, max_new_tokens=args.max_new_tokens,
-              max_length=512, batch_size=args.prompts)  # fmt: skip
+    ask = SetRequest("beside", args.max_new_tokens)
+    how = lambda folder, backend: CaptureSettings(data / folder, [2, 4, 5], None, 512, args.prompts, backend)  # noqa: E731
     t0 = time.perf_counter()
-    vl, _ = prepare_features(target, prompts, cache_dir=data / "vllm", backend="vllm", **kw)
+    vl, _ = prepare_features(target, prompts, ask, how("vllm", "vllm"))
     engine_wall = time.perf_counter() - t0  # engine start included
-    hf, _ = prepare_features(target, prompts, cache_dir=data / "hf", **kw)
+    hf, _ = prepare_features(target, prompts, ask, how("hf", "hf"))
     assert hold.numel() == int(args.hold_gb * GIB)  # (held the whole time)
     hf_seqs = {tuple(r) for r in hf["input_ids"]}
     result = {

@@ -50,6 +50,7 @@ def main(argv=None):
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "eaglelab", help="where targets are")
     args = ap.parse_args(argv)
     from eaglelab.config import TargetConfig
+    from eaglelab.data.entry import CaptureSettings, SetRequest
     from eaglelab.data.prepare import prepare_features
     from eaglelab.data.prompts import jsonl_prompts
     from eaglelab.targets import load_target
@@ -62,11 +63,8 @@ def main(argv=None):
         rows = []
         for turns in ("last", "all"):
             t0 = time.perf_counter()
-            data, stats = prepare_features(
-                target, prompts, cache_dir=Path(work) / turns, name="train", turns=turns,
-                aux_layer_ids=target.default_aux_layer_ids(), system_prompt=None,
-                max_new_tokens=args.max_new_tokens, max_length=2048, batch_size=16,
-            )  # fmt: skip
+            how = CaptureSettings(Path(work) / turns, target.default_aux_layer_ids(), None, 2048, batch_size=16)
+            data, stats = prepare_features(target, prompts, SetRequest("train", args.max_new_tokens, turns=turns), how)
             trained = [data.tokens.trained_tokens(r) for r in range(len(data))]
             spans = [len(data.tokens.spans(r)) + 1 for r in range(len(data))]
             rows.append((turns, stats, trained, spans, time.perf_counter() - t0))

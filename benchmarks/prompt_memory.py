@@ -5,7 +5,7 @@ kept for sharding and hashed into the regeneration's cache key — eaglelab befo
 
   before   each prompt's token ids a Python list (~36 bytes a token), the key `json.dumps` of every id at once
   now      each prompt's ids an int32 array (4 bytes a token, eaglelab.data.prepare), the key hashed part by part
-           (eaglelab.data.prepare.cache_key: the same hash)
+           (eaglelab.data.entry.cache_key: the same hash)
 
 Each case runs in a fresh process that renders the prompts with eaglelab's `template_prompt` (the target's own
 tokenizer), keeps them as the case does and makes the key: measured is the peak RSS (ru_maxrss) less the RSS once
@@ -27,7 +27,7 @@ MEASURE = """
 import hashlib, json, resource, sys
 import numpy as np
 from eaglelab.config import TargetConfig
-from eaglelab.data.prepare import cache_key
+from eaglelab.data.entry import cache_key
 from eaglelab.data.prompts import python_docstring_prompts
 from eaglelab.data.templates import template_prompt
 from eaglelab.targets import load_target

@@ -4,11 +4,13 @@ separate full-forward capture, the cache is keyed and reused, the draft vocab is
 import json
 import re
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
 
 from eaglelab.config import TargetConfig
+from eaglelab.data.entry import CaptureSettings, SetRequest
 from eaglelab.data.prepare import prepare_features
 from eaglelab.data.prompts import humaneval_prompts, jsonl_prompts, mix_sources
 from eaglelab.data.regenerate import generate
@@ -48,11 +50,11 @@ def test_generation_matches_hf_generate(tiny):
 
 def test_fused_capture_equals_a_separate_forward(tiny, tmp_path):
     prompts = mix_sources(["stdlib_docstrings"], 5, seed=1)
-    kw = dict(name="t", aux_layer_ids=[2, 4, 5], system_prompt=None, max_new_tokens=10, max_length=512, batch_size=5)
-    fused, stats = prepare_features(tiny, prompts, cache_dir=tmp_path, **kw)
+    ask, how = SetRequest("t", max_new_tokens=10), CaptureSettings(tmp_path, [2, 4, 5], None, 512, batch_size=5)
+    fused, stats = prepare_features(tiny, prompts, ask, how)
     assert not stats.regen_cached and not stats.capture_cached
     shutil.rmtree(tmp_path / "features")  # force the separate capture pass over the cached regeneration
-    separate, stats2 = prepare_features(tiny, prompts, cache_dir=tmp_path, **kw)
+    separate, stats2 = prepare_features(tiny, prompts, ask, how)
     assert stats2.regen_cached and not stats2.capture_cached
     assert fused["input_ids"] == separate["input_ids"]  # the same rows, in the same (length) order
     for i in range(len(fused)):
@@ -65,9 +67,9 @@ def test_fused_capture_equals_a_separate_forward(tiny, tmp_path):
         # Generated tokens are the target's greedy choice at the previous position.
         assert row["target_next"][p - 1 : -1].tolist() == row["input_ids"][p:].tolist()
         assert "final" not in row and not fused.states.with_final  # stored only when the loss reads it
-    _, stats3 = prepare_features(tiny, prompts, cache_dir=tmp_path, **kw)
+    _, stats3 = prepare_features(tiny, prompts, ask, how)
     assert stats3.regen_cached and stats3.capture_cached  # third time: all from cache
-    _, stats4 = prepare_features(tiny, prompts, cache_dir=tmp_path, **{**kw, "max_new_tokens": 11})
+    _, stats4 = prepare_features(tiny, prompts, replace(ask, max_new_tokens=11), how)
     assert not stats4.regen_cached  # a changed setting never reuses a stale entry
 
 
@@ -143,10 +145,10 @@ def test_vllm_capture_matches_hf_capture(tiny, tmp_path):
     tiny target computes in float32 in both); norm(h_L) and the greedy labels from the target's own head, read by
     tensor name, are HF's too. A different cache entry: the backend is part of its key."""
     prompts = mix_sources(["stdlib_docstrings"], 6, seed=3)
-    kw = dict(name="t", aux_layer_ids=[4, 2], system_prompt=None, max_new_tokens=16, max_length=256, batch_size=6)
-    kw.update(with_final=True, shard_size=4)
-    hf, _ = prepare_features(tiny, prompts, cache_dir=tmp_path, **kw)  # HF regeneration, capture fused in
-    engine, stats = prepare_features(tiny, prompts, cache_dir=tmp_path, capture_backend="vllm", **kw)
+    ask = SetRequest("t", max_new_tokens=16, with_final=True)
+    how = CaptureSettings(tmp_path, [4, 2], None, 256, batch_size=6, shard_size=4)
+    hf, _ = prepare_features(tiny, prompts, ask, how)  # HF regeneration, capture fused in
+    engine, stats = prepare_features(tiny, prompts, ask, replace(how, capture_backend="vllm"))
     assert stats.regen_cached and not stats.capture_cached and engine.states_dir != hf.states_dir
     assert engine["input_ids"] == hf["input_ids"]
     for i in range(len(hf)):
@@ -161,14 +163,15 @@ def test_vllm_capture_matches_hf_capture(tiny, tmp_path):
 KILLED_PREPARATION = """
 import sys
 from eaglelab.config import TargetConfig
+from eaglelab.data.entry import CaptureSettings, SetRequest
 from eaglelab.data.prepare import prepare_features
 from eaglelab.data.prompts import mix_sources
 from eaglelab.targets import load_target
 
 tiny = load_target(TargetConfig(kind="tiny", dtype="float32"), sys.argv[1])
 prompts = mix_sources(["stdlib_docstrings"], 16, seed=3)
-kw = dict(name="t", aux_layer_ids=[2, 4, 5], system_prompt=None, max_new_tokens=48, max_length=512, batch_size=1)
-prepare_features(tiny, prompts, cache_dir=sys.argv[2], shard_size=1, **kw)
+how = CaptureSettings(sys.argv[2], [2, 4, 5], None, 512, batch_size=1, shard_size=1)
+prepare_features(tiny, prompts, SetRequest("t", max_new_tokens=48), how)
 """
 
 
@@ -197,10 +200,11 @@ def test_a_killed_regeneration_keeps_its_finished_shards(tiny, cache_dir, tmp_pa
     assert not list((tmp_path / "data" / "regen").glob("*/complete.json"))  # not usable half-done
 
     prompts = mix_sources(["stdlib_docstrings"], 16, seed=3)
-    kw = dict(name="t", aux_layer_ids=[2, 4, 5], system_prompt=None, max_new_tokens=48, max_length=512, batch_size=1)
-    data, stats = prepare_features(tiny, prompts, cache_dir=tmp_path / "data", shard_size=1, **kw)
+    ask = SetRequest("t", max_new_tokens=48)
+    how = CaptureSettings(tmp_path / "data", [2, 4, 5], None, 512, batch_size=1, shard_size=1)
+    data, stats = prepare_features(tiny, prompts, ask, how)
     assert stats.shards == 16 and stats.shards_regenerated == 16 - done
-    fresh, _ = prepare_features(tiny, prompts, cache_dir=tmp_path / "fresh", shard_size=1, **kw)
+    fresh, _ = prepare_features(tiny, prompts, ask, replace(how, cache_dir=tmp_path / "fresh"))
     assert data["input_ids"] == fresh["input_ids"]  # resuming changes nothing
     for i in range(len(data)):  # the states of shards captured before and after the kill
         assert torch.equal(data.item(i)["aux"], fresh.item(i)["aux"])
@@ -219,8 +223,8 @@ def test_hybrid_states_survive_a_killed_first_epoch(tiny, tmp_path):
     from eaglelab.batches import FeatureDataset, HybridStates, OnlineStates, collate
 
     prompts = mix_sources(["stdlib_docstrings"], 6, seed=4)
-    kw = dict(name="t", aux_layer_ids=[2, 4, 5], system_prompt=None, max_new_tokens=10, max_length=512, batch_size=6)
-    seqs, _ = prepare_features(tiny, prompts, cache_dir=tmp_path, features="hybrid", **kw)
+    ask, how = SetRequest("t", max_new_tokens=10), CaptureSettings(tmp_path, [2, 4, 5], None, 512, batch_size=6)
+    seqs, _ = prepare_features(tiny, prompts, replace(ask, features="hybrid"), how)
     assert seqs.states is None
     online = OnlineStates(tiny.model, [2, 4, 5], with_final=False)
     batches = list(DataLoader(FeatureDataset(seqs, range(len(seqs)), False), batch_size=1, collate_fn=collate))
@@ -250,7 +254,7 @@ def test_hybrid_states_survive_a_killed_first_epoch(tiny, tmp_path):
             stored = seqs.states.read(i)
             assert torch.equal(stored["aux"], ref.aux[b, :n].to(torch.bfloat16))
             assert torch.equal(stored["target_next"], ref.target_next[b, :n])
-    _, stats = prepare_features(tiny, prompts, cache_dir=tmp_path, features="cached", **kw)
+    _, stats = prepare_features(tiny, prompts, ask, how)
     assert stats.capture_cached  # cached's entry is the one hybrid published
 
 
@@ -267,8 +271,8 @@ def test_hybrid_publishing_beside_a_live_capture_keeps_its_shard(tiny, tmp_path)
     from eaglelab.io import file_lock
 
     prompts = mix_sources(["stdlib_docstrings"], 4, seed=5)
-    kw = dict(name="t", aux_layer_ids=[2, 4, 5], system_prompt=None, max_new_tokens=8, max_length=512, batch_size=4)
-    seqs, _ = prepare_features(tiny, prompts, cache_dir=tmp_path, features="hybrid", **kw)
+    how = CaptureSettings(tmp_path, [2, 4, 5], None, 512, batch_size=4)
+    seqs, _ = prepare_features(tiny, prompts, SetRequest("t", max_new_tokens=8, features="hybrid"), how)
     online = OnlineStates(tiny.model, [2, 4, 5], with_final=False)
     hybrid = HybridStates(seqs, seqs.states_dir, False, run_id="h", shard_sequences=8)
     for batch in DataLoader(FeatureDataset(seqs, range(len(seqs)), False), batch_size=2, collate_fn=collate):
@@ -308,8 +312,8 @@ def test_original_responses_are_the_sources_own_answers(tiny, tmp_path):
     )
     prompts = load_source(source, with_response=True)
     assert [p[-1]["content"] for p in prompts] == answers
-    kw = dict(name="t", aux_layer_ids=[2, 4, 5], system_prompt=None, max_new_tokens=32, max_length=512, batch_size=3)
-    data, stats = prepare_features(tiny, prompts, cache_dir=tmp_path / "c", tail_tokens=8, **kw)
+    ask, how = SetRequest("t", max_new_tokens=32), CaptureSettings(tmp_path / "c", [2, 4, 5], None, 512, batch_size=3)
+    data, stats = prepare_features(tiny, prompts, replace(ask, tail_tokens=8), how)
     stops = stop_ids(tiny)
     texts = {}
     for i in range(len(data)):
@@ -321,7 +325,7 @@ def test_original_responses_are_the_sources_own_answers(tiny, tmp_path):
     assert sorted(texts.values()) == sorted(answers)
     assert all(q in prompt for q, prompt in zip(questions, sorted(texts, key=lambda t: questions.index(
         next(q for q in questions if q in t)))))  # fmt: skip
-    regenerated, again = prepare_features(tiny, [p[:-1] for p in prompts], cache_dir=tmp_path / "c", **kw)
+    regenerated, again = prepare_features(tiny, [p[:-1] for p in prompts], ask, how)
     assert not again.regen_cached and regenerated["input_ids"] != data["input_ids"]
 
 
@@ -409,10 +413,9 @@ def _multi_turn(tiny, folder, chats, **kw):
 
     folder.mkdir(parents=True, exist_ok=True)
     source = _conversations(folder / "chats.jsonl", chats)
-    kw = dict(name="t", aux_layer_ids=[2, 4], system_prompt=None, max_new_tokens=10, max_length=512, batch_size=4,
-              shard_size=3, tail_tokens=3) | kw  # fmt: skip
     prompts = load_source(source, with_response=kw.pop("responses", "regenerate") == "original")
-    return prepare_features(tiny, prompts, cache_dir=folder / "c", **kw)
+    how = CaptureSettings(folder / "c", [2, 4], None, 512, batch_size=4, shard_size=3, backend=kw.pop("backend", "hf"))
+    return prepare_features(tiny, prompts, SetRequest("t", max_new_tokens=10, tail_tokens=3, **kw), how)
 
 
 def test_every_assistant_turn_is_the_targets_own_answer_and_trained(tiny, tmp_path):
@@ -492,7 +495,7 @@ def test_the_cache_key_streams_the_same_hash_json_would_write():
 
     import numpy as np
 
-    from eaglelab.data.prepare import cache_key
+    from eaglelab.data.entry import cache_key
 
     parts = dict(v=5, source="a+b", prompts=[[1, 2, 3], [4]], is_val=[False, True], target={"z": 1, "b": [2]},
                  path=Path("/x"), turns=[[{"role": "user", "content": "é"}]], empty=[])  # fmt: skip
@@ -507,12 +510,12 @@ def test_an_entry_that_keeps_more_serves_every_loss_and_ttt_length(tiny, tmp_pat
     its CE and shorter-TTT trials: they prepare nothing and read the same sequences; an entry that keeps less is no
     substitute for one that keeps more."""
     prompts = mix_sources(["stdlib_docstrings"], 6, seed=5)
-    kw = dict(name="t", aux_layer_ids=[2, 4, 5], system_prompt=None, max_new_tokens=24, max_length=512, batch_size=3)
-    kw.update(cache_dir=tmp_path, shard_size=3)
-    widest, made = prepare_features(tiny, prompts, with_final=True, tail_tokens=16, **kw)
+    ask = lambda with_final, tail: SetRequest("t", 24, with_final=with_final, tail_tokens=tail)  # noqa: E731
+    how = CaptureSettings(tmp_path, [2, 4, 5], None, 512, batch_size=3, shard_size=3)
+    widest, made = prepare_features(tiny, prompts, ask(True, 16), how)
     assert made.shards_regenerated == 2 and widest.keeps_final and widest.tokens.meta["tail_tokens"] == 16
     for with_final, tail in ((False, 8), (True, 8), (False, 16)):
-        served, stats = prepare_features(tiny, prompts, with_final=with_final, tail_tokens=tail, **kw)
+        served, stats = prepare_features(tiny, prompts, ask(with_final, tail), how)
         assert stats.shards_regenerated == stats.shards_captured == 0, (with_final, tail)
         assert served.tokens.folder == widest.tokens.folder and served.states.folder == widest.states.folder
         for i in range(len(served)):  # validation reads the tail asked for, not all the entry keeps
@@ -520,12 +523,12 @@ def test_an_entry_that_keeps_more_serves_every_loss_and_ttt_length(tiny, tmp_pat
             assert len(item["input_ids"]) - item["seq_len"] == min(tail, len(widest.tokens.tail(i)))
     # the other way round: a KL trial after a CE-only entry captures the final state (no new regeneration), and a
     # deeper TTT than the entry's tails regenerates
-    narrow_dir = tmp_path / "narrow"
-    narrow, _ = prepare_features(tiny, prompts, with_final=False, tail_tokens=8, **{**kw, "cache_dir": narrow_dir})
-    kl, stats = prepare_features(tiny, prompts, with_final=True, tail_tokens=8, **{**kw, "cache_dir": narrow_dir})
+    narrow_how = replace(how, cache_dir=tmp_path / "narrow")
+    narrow, _ = prepare_features(tiny, prompts, ask(False, 8), narrow_how)
+    kl, stats = prepare_features(tiny, prompts, ask(True, 8), narrow_how)
     assert (stats.shards_regenerated, stats.shards_captured) == (0, 2) and kl.states.with_final
     assert kl.tokens.folder == narrow.tokens.folder and kl.states.folder != narrow.states.folder
-    deeper, stats = prepare_features(tiny, prompts, with_final=False, tail_tokens=16, **{**kw, "cache_dir": narrow_dir})
+    deeper, stats = prepare_features(tiny, prompts, ask(False, 16), narrow_how)
     assert stats.shards_regenerated == 2 and deeper.tokens.folder != narrow.tokens.folder
     # the sequences a wider entry holds are the same: only the tail is longer
     for i in range(len(narrow)):
@@ -538,7 +541,7 @@ def test_cache_keys_hash_the_shared_parts_once_and_equal_the_keys_entries_have()
     """One key per tail length, each the hash of json.dumps of the whole (how every entry's key was made)."""
     import hashlib
 
-    from eaglelab.data.prepare import cache_keys
+    from eaglelab.data.entry import cache_keys
 
     parts = dict(v=5, source="a", prompts=[[1, 2, 3], [4]], target={"z": 1}, turns=[])
     whole = lambda p: hashlib.sha256(json.dumps(p, sort_keys=True, default=str).encode()).hexdigest()[:20]  # noqa: E731

@@ -290,14 +290,16 @@ def test_the_disk_check_refuses_what_cannot_fit_and_warns_of_what_may_not(tmp_pa
     """The cache's disk check against a real 1 MiB file system: an entry whose prompts alone do not fit is refused
     in one line; one that fits unless every response runs to max_new_tokens goes on, saying it may fill up; one
     that fits at its largest goes on silently. (776 bytes of states + 4 of ids a token.)"""
-    from eaglelab.data.prepare import check_disk_space
+    from eaglelab.data.entry import Entry
+    from eaglelab.data.shards import check_disk_space
     from eaglelab.errors import ResourceError
 
     small = tmpfs("cache", 1 << 20)
-    check = lambda n, max_new: check_disk_space(  # noqa: E731  (n prompts of 100 tokens, one shard)
-        small, "train", [100] * n, [list(range(n))], small / "regen" / "r", small / "features" / "f",
-        max_new_tokens=max_new, limit=2048, backend="hf", state_bytes=776,
+    entry = lambda n, max_new: Entry(  # noqa: E731  (n prompts of 100 tokens, one shard)
+        "train", "", small, "r", "f", [list(range(n))], max_new, limit=2048, tail_tokens=0, with_final=False,
+        asked_tail=0, states=True,
     )  # fmt: skip
+    check = lambda n, max_new: check_disk_space(entry(n, max_new), [100] * n, "hf", state_bytes=776)  # noqa: E731
     with pytest.raises(ResourceError, match=r"needs at least 1\.6 MB and up to 3\.1 MB .* has 1\.0 MB free"):
         check(20, 100)  # at least 20 × 101 tokens × 780 bytes
     caplog.clear()

@@ -118,12 +118,12 @@ def test_an_unknown_lock_kind_is_one_line(monkeypatch, tmp_path):
 
 
 def test_the_shards_of_an_entry_are_made_once_by_whoever_holds_them(tmp_path):
-    """`prepare._take_shards`, as two ranks run it at once (threads: flock excludes open files, not processes) on
+    """`shards.take_shards`, as two ranks run it at once (threads: flock excludes open files, not processes) on
     an entry of 8 shards, one of which a third holder keeps locked and then drops unmade (it died): every shard is
     made exactly once, each rank begins with its own share, and the dropped one is made by a rank that waited."""
     import threading
 
-    from eaglelab.data.prepare import _take_shards
+    from eaglelab.data.shards import take_shards
     from eaglelab.data.store import shard_name
     from eaglelab.io import file_lock
 
@@ -149,7 +149,7 @@ def test_the_shards_of_an_entry_are_made_once_by_whoever_holds_them(tmp_path):
 
     threading.Thread(target=third).start()
     holding.wait()
-    ranks = [threading.Thread(target=lambda r=r: _take_shards([1] * 8, (r, 2), folder, lambda t: make(r, t)))
+    ranks = [threading.Thread(target=lambda r=r: take_shards([1] * 8, (r, 2), folder, lambda t: make(r, t)))
              for r in (0, 1)]  # fmt: skip
     for t in ranks:
         t.start()
@@ -167,7 +167,7 @@ def test_the_shards_of_an_entry_are_made_once_by_whoever_holds_them(tmp_path):
 def test_one_engine_job_takes_shards_up_to_a_token_budget(tmp_path):
     """However long the shards' sequences, one claim (one engine job, its token ids in memory twice) holds at most
     CLAIM_TOKENS tokens, or one shard when a single shard is larger."""
-    from eaglelab.data.prepare import CLAIM_TOKENS, _take_shards
+    from eaglelab.data.shards import CLAIM_TOKENS, take_shards
     from eaglelab.data.store import shard_name
 
     folder = tmp_path / "regen" / "key"
@@ -181,5 +181,5 @@ def test_one_engine_job_takes_shards_up_to_a_token_budget(tmp_path):
         return len(todo)
 
     sizes = [CLAIM_TOKENS // 3] * 5 + [2 * CLAIM_TOKENS] + [10] * 3
-    assert _take_shards(sizes, (0, 1), folder, make) == 9
+    assert take_shards(sizes, (0, 1), folder, make) == 9
     assert jobs == [[0, 1, 2], [3, 4], [5], [6, 7, 8]]

@@ -39,8 +39,11 @@ RANK = {
     "eaglelab.data.regenerate": 2,
     "eaglelab.data.capture": 2,
     "eaglelab.data.store": 2,
-    "eaglelab.data.prepare": 2,
     "eaglelab.data.render": 2,  # conversations -> ids in the target's template (the data stage's first step)
+    "eaglelab.data.entry": 2,  # which cache entry a prompt set is read from or prepared into (its settings, its keys)
+    "eaglelab.data.shards": 2,  # who makes which shard of an entry, and whether it fits on disk
+    "eaglelab.data.jobs": 2,  # the engine jobs: regenerate and capture a claimed group of shards
+    "eaglelab.data.prepare": 2,  # one prompt set: render -> entry -> engine jobs -> sink
     "eaglelab.data.vocab": 2,
     "eaglelab.data.self_chat": 2,  # prompts the target writes: they need the target
     "eaglelab.data.vllm_capture": 2,  # the capture engine's process (vLLM's hidden-states connector)
@@ -136,3 +139,21 @@ def test_no_sys_path_edits_outside_the_tests():
         if "sys.path.insert" in p.read_text() or "sys.path.append" in p.read_text()
     ]
     assert len(files) > 20 and edits == []
+
+
+def test_the_data_stage_reads_in_short_steps():
+    """The data stage's rooms (render -> entry -> engine jobs -> sink, and the stage around them) carry their
+    settings in small objects (eaglelab.data.entry: SetRequest, CaptureSettings, Entry): no function there needs a
+    page or a long signature to follow (prepare_features was 197 lines and 23 parameters)."""
+    rooms = ["stage", "render", "entry", "shards", "jobs", "prepare"]
+    long = []
+    for room in rooms:
+        tree = ast.parse((ROOT / "src" / "eaglelab" / "data" / f"{room}.py").read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef):
+                a = node.args
+                params = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) - int(bool(a.args) and a.args[0].arg == "self")
+                lines = node.end_lineno - node.lineno + 1
+                if params > 6 or lines > 60:
+                    long.append(f"{room}.{node.name}: {params} parameters, {lines} lines")
+    assert long == [], long

@@ -11,7 +11,7 @@ line that names the setting to change:
 3. the precisions against the device (`check_precision`);
 4. the run's peak memory against what the device has free (`estimate_memory`).
 
-The disk a cache entry needs is checked where the prompts' lengths are known (`eaglelab.data.prepare`); a disk
+The disk a cache entry needs is checked where the prompts' lengths are known (`eaglelab.data.shards`); a disk
 that fills up anyway becomes one `DiskFull` error (`as_disk_full`, called once, by `eaglelab.pipeline.run`).
 
 Memory model. The peak of this process is what it holds when the check runs (measured: resident memory, which
@@ -24,7 +24,7 @@ weights while they are not loaded yet (`Target.weights_bytes`: they load when th
                 of data.regen_batch_size sequences, the prefill's eager attention scores and MLP of one layer,
                 and the states captured in the same pass;
     capture     (HF capture only: vLLM captures in its own process) one whole-sequence forward of up to 4 sequences
-                and 8192 tokens (`prepare._batches`): one layer's activations, the aux states the hooks keep, the
+                and 8192 tokens (`shards.batches`): one layer's activations, the aux states the hooks keep, the
                 logits of the labelled positions;
     train       the drafter, its gradients and AdamW's two moments, and what autograd keeps for one batch of
                 train.batch_size sequences (under train.tokens_per_batch, as many of the longest as the budget
@@ -88,8 +88,8 @@ KERNELS_PER_NEW_BATCH = 22_000_000  # oneDNN's compiled kernels for one batch of
 #           and float32 keeps nothing per shape (benchmarks/memory_estimate.py on an AVX2 EPYC).
 # Another CPU of a listed kind takes its entry; benchmarks/memory_estimate.py measures one.
 KERNEL_BATCHES_MAX = {"AMX": 64, "AVX512": 40}
-CAPTURE_TOKENS = 8192  # eaglelab.data.prepare._batches: padded tokens per whole-sequence capture forward
-CAPTURE_BATCH = 4  # prepare_features' capture_batch_size
+CAPTURE_TOKENS = 8192  # eaglelab.data.shards.batches: padded tokens per whole-sequence capture forward
+CAPTURE_BATCH = 4  # CaptureSettings.capture_batch_size
 
 
 def check_limits(
@@ -231,7 +231,7 @@ def prompt_sets(
     cfg: RunConfig, target: Target, train_prompts: list, held_out_prompts: list, validation_prompts: list = ()
 ) -> list[PromptSet]:
     """The longest prompt of each set in the target's template (prompts that leave no room for an answer are
-    skipped, as `eaglelab.data.prepare` skips them), and so the longest sequence regeneration can make. The
+    skipped, as `eaglelab.data.render` skips them), and so the longest sequence regeneration can make. The
     training set is prepared from the training and validation prompts together."""
     from eaglelab.data.templates import renderer
     from eaglelab.data.turns import history, is_multi_turn, longest_prompt, rounds
@@ -257,7 +257,7 @@ def prompt_sets(
             response = min(min(max_new_tokens, sequence - prompt) + (answers - 1) * max_new_tokens, sequence)
             sets.append(PromptSet(name, batch, prompt, sequence, response, bound, trained_on, **totals))
 
-    # As eaglelab.data.prepare keeps and sizes a prompt: it leaves room for an answer; a training conversation the
+    # As eaglelab.data.render keeps and sizes a prompt: it leaves room for an answer; a training conversation the
     # target answers turn by turn (data.turns=all) when its first round does, sized by its longest last prompt.
     def length(messages, render, max_new_tokens: int, turn_by_turn: bool) -> int:
         if turn_by_turn and is_multi_turn(messages):
@@ -488,7 +488,7 @@ def capture_bytes(t: TargetShape, n_aux: int, tokens: int, labelled: int) -> int
 
 
 def cached_capture_bytes(t: TargetShape, n_aux: int, longest: int, response: int) -> int:
-    """Cached capture (`eaglelab.data.prepare._capture`): batches of up to 4 sequences and 8192 padded tokens."""
+    """Cached capture (`eaglelab.data.jobs.capture_shards`): batches of up to 4 sequences and 8192 padded tokens."""
     per_batch = max(1, min(CAPTURE_BATCH, CAPTURE_TOKENS // longest))
     return capture_bytes(t, n_aux, per_batch * longest, per_batch * min(response, longest))
 

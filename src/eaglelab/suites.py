@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from eaglelab.acceptance import tail_tokens
 from eaglelab.config import RunConfig, max_k, suite_ks
+from eaglelab.data.entry import CaptureSettings, SetRequest
 from eaglelab.data.long_context import MODULES, long_context_prompts
-from eaglelab.data.prepare import CaptureSettings, prepare_features
+from eaglelab.data.prepare import prepare_features
 from eaglelab.data.templates import CONDITIONS, renderer
 from eaglelab.drift import drift_diagnostics, drift_inputs
 from eaglelab.errors import ConfigError
@@ -83,7 +84,7 @@ def prepare_suites(cfg: RunConfig, target, eval_prompts: list, capture: CaptureS
     s, out = cfg.eval.suites, SuiteInputs()
     native = renderer("native", cfg.data.system_prompt)
     tail = tail_tokens(max(suite_ks(cfg)))
-    todo = []  # (suite, condition, prompts, how they are prepared)
+    todo = []  # (suite, condition, prompts, what is asked of them, how they are prepared)
     if s.long_context.enabled:
         lc = s.long_context
         room = target.max_context - lc.max_new_tokens - 8  # prompt + answer inside the target's window
@@ -101,10 +102,9 @@ def prepare_suites(cfg: RunConfig, target, eval_prompts: list, capture: CaptureS
                     target.max_context,
                 )
             prompts = long_context_prompts(target.tokenizer, native, min(length, room), lc.num_prompts)
-            settings = replace(
-                capture, max_length=target.max_context, batch_size=min(capture.batch_size, lc.num_prompts)
-            )
-            todo.append(("long_context", length, prompts, {"max_new_tokens": lc.max_new_tokens, **asdict(settings)}))
+            how = replace(capture, max_length=target.max_context, batch_size=min(capture.batch_size, lc.num_prompts))
+            request = SetRequest(f"long_context-{length}", lc.max_new_tokens, tail_tokens=tail)
+            todo.append(("long_context", length, prompts, request, how))
     if s.templates.enabled:
         tp = s.templates
         prompts = [eval_prompts[i] for i in evenly_spaced(len(eval_prompts), tp.num_prompts)]
@@ -117,14 +117,12 @@ def prepare_suites(cfg: RunConfig, target, eval_prompts: list, capture: CaptureS
                 out.same_as[condition] = twin
                 continue
             rendered[condition] = ids
-            how = {"max_new_tokens": tp.max_new_tokens, "render": render}
-            todo.append(
-                ("templates", condition, prompts, {**how, **asdict(replace(capture, max_length=target.max_context))})
-            )
+            request = SetRequest(f"templates-{condition}", tp.max_new_tokens, render=render, tail_tokens=tail)
+            todo.append(("templates", condition, prompts, request, replace(capture, max_length=target.max_context)))
     ranks = current_ranks()
     first = ranks.rank % len(todo) if todo else 0
-    for suite, condition, prompts, how in todo[first:] + todo[:first]:
-        feats, stats = prepare_features(target, prompts, name=f"{suite}-{condition}", tail_tokens=tail, **how)
+    for suite, condition, prompts, request, how in todo[first:] + todo[:first]:
+        feats, stats = prepare_features(target, prompts, request, how)
         getattr(out, suite)[condition] = feats
         out.seconds += sum(stats.seconds.values())
     out.long_context = dict(sorted(out.long_context.items()))  # (each suite's conditions in their own order again)

@@ -156,7 +156,7 @@ def generate_vllm(
     """The same greedy continuations and tails from vLLM (its own process; continuous batching within a shard),
     shard by shard: -> ({shard: [(response, tail)]}, seconds spent generating, engine start excluded). Each
     shard's responses reach `workdir/shards/` as soon as the engine has them, and shards already there (from a
-    killed attempt) are not generated again. States are captured afterwards (eaglelab.data.prepare)."""
+    killed attempt) are not generated again. States are captured afterwards (eaglelab.data.jobs)."""
     out_dir = Path(workdir) / "shards"
     todo = {i: p for i, p in shards.items() if not (out_dir / f"{i}.json").is_file()}
     result = {"seconds": 0.0}

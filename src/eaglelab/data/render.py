@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from eaglelab.data.entry import CaptureSettings, SetRequest
 from eaglelab.data.prompts import Messages
 from eaglelab.data.regenerate import response_budget, stop_ids
 from eaglelab.data.templates import template_prompt, template_response
@@ -40,10 +41,11 @@ class Rendered:
         return self.conversations if any(self.multi) and not self.originals else None
 
 
-def render_prompts(target, prompts: list[Messages], is_val: list[bool] | None, *, system_prompt: str | None, render,
-                   turns: str, max_new_tokens: int, limit: int, name: str) -> Rendered:  # fmt: skip
-    """`prompts` in the target's template (`render(tokenizer, messages) -> ids` instead, for the suites' templates);
-    `limit`: the longest a sequence may be."""
+def render_prompts(target, prompts: list[Messages], request: SetRequest, how: CaptureSettings, limit: int) -> Rendered:
+    """`prompts` in the target's template (`request.render(tokenizer, messages) -> ids` instead, for the suites'
+    templates); `limit`: the longest a sequence may be."""
+    name, render, max_new_tokens = request.name, request.render, request.max_new_tokens
+    system_prompt, is_val, turns = how.system_prompt, request.is_val, request.turns
     out = Rendered(stops=sorted(stop_ids(target)))
     chat = lambda m: template_prompt(target.tokenizer, m, system_prompt)  # noqa: E731
     respond = lambda m, ids: template_response(target.tokenizer, m, system_prompt, ids, set(out.stops))  # noqa: E731

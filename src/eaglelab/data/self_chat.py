@@ -169,7 +169,7 @@ def self_chat_prompts(
     """`count` distinct user requests the target wrote, as single-turn conversations (fewer, with a warning, if
     the target keeps repeating itself). `engine`: sampled by a vLLM engine with these settings (its
     tensor_parallel_size, pipeline_parallel_size) instead of the HF model in this process."""
-    from eaglelab.data.prepare import cache_key  # the one hashing rule of every cache entry
+    from eaglelab.data.entry import cache_key  # the one hashing rule of every cache entry
 
     settings = settings or SelfChatSettings()
     prefix = user_turn_prefix(target.tokenizer, system_prompt)

