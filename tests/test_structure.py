@@ -152,7 +152,8 @@ def test_the_data_stage_reads_in_short_steps():
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef):
                 a = node.args
-                params = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) - int(bool(a.args) and a.args[0].arg == "self")
+                is_method = bool(a.args) and a.args[0].arg == "self"
+                params = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) - int(is_method)
                 lines = node.end_lineno - node.lineno + 1
                 if params > 6 or lines > 60:
                     long.append(f"{room}.{node.name}: {params} parameters, {lines} lines")
