@@ -79,9 +79,17 @@ class PlainDrafter:
         extra = self.c.get("eaglelab", {})
         self.window, self.sink = extra.get("attention_window"), extra.get("attention_sink_tokens", 4)
         self.n_aux = len(self.c["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+        # Qwen3's layer (vLLM's qwen3_eagle3.py): each head's q and k RMS-normed before RoPE
+        self.qk_norm = self.c["architectures"][0] in ("Eagle3Qwen3ForCausalLM", "PeagleQwen3ForCausalLM")
 
     def rms_norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return self.w[name] * x / torch.sqrt(x.pow(2).mean() + self.c["rms_norm_eps"])
+
+    def per_head(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """x: [heads, d], each head RMS-normed on its own (Qwen3's q_norm, k_norm); as it is, without them."""
+        if not self.qk_norm:
+            return x
+        return self.w[name] * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.c["rms_norm_eps"])
 
     def rotary(self, x: torch.Tensor, pos: int) -> torch.Tensor:
         """x: [heads, d] at integer position `pos`: pairs (i, i + d/2) rotated by pos / theta^(2i/d)."""
@@ -115,8 +123,10 @@ class PlainDrafter:
                     inp = torch.cat([e, self.rms_norm(x, p + "hidden_norm.weight")])
             else:
                 inp = self.rms_norm(x, p + "input_layernorm.weight")
-            q = self.rotary((self.w[p + "self_attn.q_proj.weight"] @ inp).view(self.h, self.d), pos)
-            k = self.rotary((self.w[p + "self_attn.k_proj.weight"] @ inp).view(self.kv, self.d), pos)
+            q = (self.w[p + "self_attn.q_proj.weight"] @ inp).view(self.h, self.d)
+            k = (self.w[p + "self_attn.k_proj.weight"] @ inp).view(self.kv, self.d)
+            q = self.rotary(self.per_head(q, p + "self_attn.q_norm.weight"), pos)
+            k = self.rotary(self.per_head(k, p + "self_attn.k_norm.weight"), pos)
             v = (self.w[p + "self_attn.v_proj.weight"] @ inp).view(self.kv, self.d)
             cache = caches[i]
             cache.append(pos, k, v)

@@ -26,9 +26,13 @@ class ReferenceDrafter:
         extra = config.get("eaglelab", {})
         self.window, self.sink = extra.get("attention_window"), extra.get("attention_sink_tokens", 4)
         self.n_aux = len(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+        self.qwen3 = config["architectures"] == ["Eagle3Qwen3ForCausalLM"]  # per-head q/k RMSNorm before RoPE
 
     def rms(self, x, name):
         return self.w[name] * (x / torch.sqrt((x * x).mean() + self.eps))
+
+    def heads_rms(self, x, name):  # x: [heads, d], each head on its own (Qwen3's q_norm / k_norm)
+        return torch.stack([self.w[name] * (row / torch.sqrt((row * row).mean() + self.eps)) for row in x])
 
     def rotate(self, x, pos):  # x: [heads, d], Llama rotate-half RoPE at integer position `pos`
         d = self.d
@@ -60,8 +64,11 @@ class ReferenceDrafter:
             x = torch.cat([e, normed])
         else:
             residual, x = hidden, self.rms(hidden, p + "input_layernorm.weight")
-        q = self.rotate((self.w[p + "self_attn.q_proj.weight"] @ x).view(self.h, self.d), pos)
-        k = self.rotate((self.w[p + "self_attn.k_proj.weight"] @ x).view(self.kv, self.d), pos)
+        q = (self.w[p + "self_attn.q_proj.weight"] @ x).view(self.h, self.d)
+        k = (self.w[p + "self_attn.k_proj.weight"] @ x).view(self.kv, self.d)
+        if self.qwen3:
+            q, k = self.heads_rms(q, p + "self_attn.q_norm.weight"), self.heads_rms(k, p + "self_attn.k_norm.weight")
+        q, k = self.rotate(q, pos), self.rotate(k, pos)
         v = (self.w[p + "self_attn.v_proj.weight"] @ x).view(self.kv, self.d)
         cache.append((k, v, pos))
         outs = []

@@ -70,6 +70,8 @@ def test_unroll_matches_step_by_step_engine(fc_norm, norm_output):
         dict(norm_before_fc=True, fc_norm=False),
         dict(norm_before_residual=True),
         dict(num_layers=2),
+        dict(layer="qwen3"),
+        dict(layer="qwen3", num_layers=2, fc_norm=False, norm_output=False),
         # windows shorter than the depth (4) less one: the deepest drafts' window excludes the step-1 key at t and
         # their earliest own drafts too, which an engine's KV cache holds at their positions like any other key
         dict(attention_window=2, attention_sink_tokens=2),
@@ -126,6 +128,10 @@ def test_each_flag_changes_exactly_its_parameters():
     assert _param_names(fc_norm=False, norm_before_fc=True) ^ base == {"input_norm.weight"}
     assert _param_names(fc_norm=False, norm_output=True) == base  # a path change, no parameters
     assert _param_names(fc_norm=False, norm_before_residual=True) == base
+    assert _param_names(fc_norm=False, norm_output=False, layer="qwen3") - base == {
+        "midlayer.self_attn.q_norm.weight",  # vLLM's qwen3_eagle3.py names (Qwen3Attention's)
+        "midlayer.self_attn.k_norm.weight",
+    }
     assert "midlayer.hidden_norm.weight" in base and "d2t" in base and "t2d" in base
     assert not any(n.startswith("embed_tokens") for n in base)  # shared with the target
 
@@ -159,6 +165,8 @@ def test_contradictory_and_out_of_range_flags_are_rejected():
         small_config(fc_norm=True, norm_before_fc=True)
     with pytest.raises(ValueError, match="L=8"):
         small_config(aux_layer_ids=(1, 3, 8))
+    with pytest.raises(ValueError, match="drafter.layer='mla' is not a layer eaglelab builds; choose llama or qwen3"):
+        small_config(layer="mla")
 
 
 def test_vllm_config_roundtrip_and_eagle3_defaults():
@@ -169,6 +177,20 @@ def test_vllm_config_roundtrip_and_eagle3_defaults():
         legacy.pop(key)
     old = Eagle3Config.from_vllm_config(legacy)  # an EAGLE-3 checkpoint: 3.1 flags default off
     assert (old.fc_norm, old.norm_output, old.norm_before_fc) == (False, False, False)
+    assert old.layer == "llama"
+
+
+def test_each_layer_exports_as_the_architecture_vllm_serves_it_as():
+    """drafter.layer names the architecture vLLM's registry maps to its model class; a config that names another
+    of that class's aliases reads as the same layer; one eaglelab cannot build is one line naming what it can."""
+    qwen3 = small_config(layer="qwen3").to_vllm_config()
+    assert (qwen3["architectures"], qwen3["model_type"]) == (["Eagle3Qwen3ForCausalLM"], "qwen3")
+    assert Eagle3Config.from_vllm_config(qwen3) == small_config(layer="qwen3")
+    assert Eagle3Config.from_vllm_config({**qwen3, "architectures": ["PeagleQwen3ForCausalLM"]}).layer == "qwen3"
+    llama = small_config().to_vllm_config()
+    assert Eagle3Config.from_vllm_config({**llama, "architectures": ["Eagle3LlamaForCausalLM"]}).layer == "llama"
+    with pytest.raises(ValueError, match="Eagle3DeepseekV3ForCausalLM is not a drafter eaglelab builds: .*qwen3"):
+        Eagle3Config.from_vllm_config({**llama, "architectures": ["Eagle3DeepseekV3ForCausalLM"]})
 
 
 def test_drafting_only_from_first_position_changes_nothing_there():

@@ -56,6 +56,7 @@ RANK = {
     "eaglelab.streamed": 3,  # the trainers' side of a stream: its plan, positioned samplers, its life around fit
     # 4: export
     "eaglelab.export": 4,
+    "eaglelab.speculators_format": 4,  # drafters in speculators' format (read and written beside vLLM's Eagle3 one)
     # 5: evaluate (and its per-run figures)
     "eaglelab.evaluate": 5,
     "eaglelab.drift": 5,

@@ -6,6 +6,7 @@ import csv
 import json
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from eaglelab.export import main as export_main
@@ -347,23 +348,39 @@ def test_an_engine_over_two_devices_counts_what_one_engine_does(evaluated_run, c
     assert_same_counts(row)
 
 
-@pytest.mark.parametrize("flag", ["fc_norm", "norm_output"])
-def test_vllm_honours_each_eagle31_flag(leaning_run, cache_dir, tmp_path, flag):
-    """The trained EAGLE-3.1 drafter with one flag switched off in its config.json (fc_norm: its per-layer norm
-    weights dropped too, as an EAGLE-3 checkpoint has none): vLLM's τ changes, and equals the simulated
-    evaluator's for the flipped drafter, so vLLM reads the flag and applies it where eaglelab does."""
-    flipped = tmp_path / "flipped"
-    flipped.mkdir()
-    config = json.loads((leaning_run / "drafter/config.json").read_text())
+def flipped_drafter(run_dir, flag, folder):
+    """The run's exported drafter with one flag switched off in its config.json (fc_norm: its per-layer norm weights
+    dropped too, as an EAGLE-3 checkpoint has none)."""
+    folder.mkdir()
+    config = json.loads((run_dir / "drafter/config.json").read_text())
     assert config[flag] is True
     config[flag] = False
-    (flipped / "config.json").write_text(json.dumps(config))
-    weights = load_file(str(leaning_run / "drafter/model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config))
+    weights = load_file(str(run_dir / "drafter/model.safetensors"))
     save_file(
         {n: w for n, w in weights.items() if not (flag == "fc_norm" and n.startswith("fc_norm."))},
-        flipped / "model.safetensors",
+        folder / "model.safetensors",
     )
-    row = evaluate_in_vllm_at(flipped, cache_dir, tmp_path / "run")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def without_fc_norm(leaning_run, cache_dir, tmp_path_factory):
+    """The leaning run's drafter with fc_norm off (the flag and its weights: what speculators' converter can carry),
+    evaluated by both evaluators -> (its folder, its parity.csv row)."""
+    root = tmp_path_factory.mktemp("no_fc_norm")
+    flipped = flipped_drafter(leaning_run, "fc_norm", root / "flipped")
+    return flipped, evaluate_in_vllm_at(flipped, cache_dir, root / "run")
+
+
+@pytest.mark.parametrize("flag", ["fc_norm", "norm_output"])
+def test_vllm_honours_each_eagle31_flag(leaning_run, without_fc_norm, cache_dir, tmp_path, flag):
+    """The trained EAGLE-3.1 drafter with one flag switched off in its config.json: vLLM's τ changes, and equals the
+    simulated evaluator's for the flipped drafter, so vLLM reads the flag and applies it where eaglelab does."""
+    if flag == "fc_norm":
+        row = without_fc_norm[1]
+    else:
+        row = evaluate_in_vllm_at(flipped_drafter(leaning_run, flag, tmp_path / "flipped"), cache_dir, tmp_path / "r")
     (original,) = read_csv(leaning_run / "parity.csv")
     print(f"{flag} off: tau_vllm={float(row['tau_vllm']):.4f} (on: {float(original['tau_vllm']):.4f})")
     assert row["accepted_vllm"] != original["accepted_vllm"], "vLLM ignored the flag (or the drafter does not use it)"
@@ -372,19 +389,55 @@ def test_vllm_honours_each_eagle31_flag(leaning_run, cache_dir, tmp_path, flag):
     assert abs(flipped_vllm - int(row["accepted_simulated"])) < abs(flipped_vllm - int(original["accepted_vllm"])), row
 
 
-def test_a_two_layer_drafter_drafts_in_vllm(cache_dir, tmp_path):
-    """drafter.num_layers=2 exports `layers.0.*` and `layers.1.*` (not `midlayer.*`); vLLM loads both layers and
-    counts what the simulated evaluator counts."""
-    trained = ["experiment=smoke", "train.epochs=1", "drafter.num_layers=2", "eval.suites.drift.enabled=false"]
-    vllm = ["eval.vllm.enabled=true", f"eval.vllm.ks=[{K}]", "eval.vllm.throughput_ks=[]"]
-    run_dir = run(compose([*trained, *vllm, "eval.suites.extrapolation.enabled=false"], cache_dir, tmp_path / "r"))
+def test_a_two_layer_qwen3_drafter_drafts_in_vllm(cache_dir, tmp_path):
+    """drafter.layer=qwen3 with drafter.num_layers=2 (one engine for both, the suite's time): exported as
+    Eagle3Qwen3ForCausalLM (vLLM's qwen3_eagle3.py) with each layer's q/k norms, as `layers.0.*` and `layers.1.*`
+    (not `midlayer.*`); vLLM loads both layers and counts what the simulated evaluator counts (a per-head norm it
+    skipped or placed elsewhere would change the drafts)."""
+    trained = ["experiment=smoke", "train.epochs=1", "drafter.num_layers=2", "drafter.layer=qwen3"]
+    vllm = ["eval.vllm.enabled=true", f"eval.vllm.ks=[{K}]", "eval.vllm.throughput_ks=[]", *NO_EXTRAS]
+    run_dir = run(compose([*trained, *vllm], cache_dir, tmp_path / "r"))
     exported = json.loads((run_dir / "drafter/config.json").read_text())
     names = load_file(str(run_dir / "drafter/model.safetensors")).keys()
+    assert exported["architectures"] == ["Eagle3Qwen3ForCausalLM"] and exported["model_type"] == "qwen3"
     assert exported["num_hidden_layers"] == 2 and not [n for n in names if n.startswith("midlayer.")]
     assert {n.split(".")[1] for n in names if n.startswith("layers.")} == {"0", "1"}
+    assert {f"layers.{i}.self_attn.{n}_norm.weight" for i in (0, 1) for n in "qk"} <= set(names)
     (parity,) = read_csv(run_dir / "parity.csv")
     assert int(parity["drafts_vllm"]) > 0
     assert_same_counts(parity)
+
+
+def test_a_drafter_converted_by_speculators_evaluates_as_the_original_and_eaglelab_serves_that_format(
+    without_fc_norm, cache_dir, tmp_path
+):
+    """speculators' own Eagle3Converter turns an exported drafter into its format (config split into
+    transformer_layer_config and the speculators keys, `layers.0.*` names; the aux ids passed, since it writes null
+    otherwise, which vLLM reads as the target's default ids: not this drafter's [1, 3, 6]); `checkpoint=` that
+    folder reads it with identical weights, so both evaluators count what they counted on the original;
+    eval.vllm.drafter_format=speculators has vLLM serve eaglelab's own speculators export of it, which carries every
+    tensor and counts the same again."""
+    from speculators.convert.eagle.eagle3_converter import Eagle3Converter
+
+    from eaglelab.export import load_checkpoint
+
+    original, row = without_fc_norm
+    target_path = json.loads((original.parent / "run" / "run.json").read_text())["target_path"]
+    converted = tmp_path / "converted"
+    Eagle3Converter().convert(
+        original, converted, base_model=target_path, validate=False, eagle_aux_hidden_state_layer_ids=AUX
+    )
+    config = json.loads((converted / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3" and config["eagle_aux_hidden_state_layer_ids"] == AUX
+    ours, theirs = (load_checkpoint(p, torch.zeros(0)).state_dict() for p in (original, converted))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[n], theirs[n]) for n in ours)
+    served = evaluate_in_vllm_at(converted, cache_dir, tmp_path / "run", more=["eval.vllm.drafter_format=speculators"])
+    run_dir = tmp_path / "run"
+    exported = json.loads((run_dir / "drafter_speculators" / "config.json").read_text())
+    assert exported["transformer_layer_config"]["model_type"] == "llama" and exported["fc_norm"] is False
+    for what in ("drafts_simulated", "accepted_simulated", "drafts_vllm", "accepted_vllm", "accepted_per_pos_vllm"):
+        assert served[what] == row[what], (what, served, row)
+    assert_same_counts(served)
 
 
 # --- bad input ------------------------------------------------------------------------------------

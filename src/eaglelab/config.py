@@ -367,6 +367,9 @@ class VllmEvalConfig:
 
     enabled: bool | None = None  # None: when vLLM is installed (else a warning); true: required; false: skip
     method: Literal["eagle3"] = "eagle3"
+    # The export vLLM serves: eagle3 = <run_dir>/drafter (vLLM's Eagle3 format, always written); speculators = also
+    # <run_dir>/drafter_speculators (speculators' format, its verifier the target), served instead
+    drafter_format: Literal["eagle3", "speculators"] = "eagle3"
     num_prompts: int = 16  # acceptance sweep over k (the simulated evaluator reruns on the same subset)
     # None: [1, ttt_steps, max_k] (the simulated evaluator measures every k, exactly as vLLM counts: one engine per
     # k here is a cross-check and costs ~15 s each on a CPU); every_k=true: the full sweep k = 1..max_k
@@ -566,6 +569,11 @@ class RunConfig:
             raise ConfigError(
                 "train.freeze_lm_head would keep a random lm_head (drafter.init_lm_head_from_target=false); set "
                 "drafter.init_lm_head_from_target=true or train.freeze_lm_head=false"
+            )
+        if self.eval.vllm.drafter_format == "speculators" and self.drafter.attention_window is not None:
+            raise ConfigError(
+                "eval.vllm.drafter_format=speculators: a drafter with drafter.attention_window has no speculators (nor "
+                "vLLM) form; set drafter.attention_window=null or eval.vllm.drafter_format=eagle3"
             )
         tp, devices = self.eval.vllm.tensor_parallel_size, self.train.devices
         several = devices * self.train.num_nodes > 1

@@ -15,6 +15,9 @@ Each EAGLE-3.1 flag is a boolean that acts in exactly one place:
     norm_before_fc       -> `Eagle3Drafter.fc_input`      (one RMSNorm over the concatenation)
     norm_output          -> `Eagle3Drafter.feedback`      (which state the next step is fed)
     norm_before_residual -> `DecoderLayer.forward`        (residual is hidden_norm(g) instead of g)
+    layer                -> `Attention.forward`           (llama: Llama's layer; qwen3: Qwen3's, an RMSNorm over each
+                                                           head's q and k before RoPE, exported for vLLM's
+                                                           `qwen3_eagle3.py`)
     attention_window     -> `in_window`                   (sliding window + kept sink tokens, over context and
                                                            own drafts; eaglelab only: vLLM's Eagle3 drafter has no
                                                            such flag)
@@ -37,6 +40,21 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+# The decoder layer families (`drafter.layer`): the architecture name an export carries (vLLM's registry maps it
+# to the model class that serves it) and its config.json model_type. Other names vLLM's registry maps to the same
+# class are read as that layer.
+LAYERS = {
+    "llama": ("LlamaForCausalLMEagle3", "llama"),  # vllm/model_executor/models/llama_eagle3.py
+    "qwen3": ("Eagle3Qwen3ForCausalLM", "qwen3"),  # vllm/model_executor/models/qwen3_eagle3.py
+}
+READ_AS = {
+    **{arch: layer for layer, (arch, _) in LAYERS.items()},
+    "Eagle3LlamaForCausalLM": "llama",
+    "PEagleDraftModel": "llama",
+    "PeagleLlamaForCausalLM": "llama",
+    "PeagleQwen3ForCausalLM": "qwen3",
+}
+
 
 @dataclass(kw_only=True)
 class DrafterFlags:
@@ -50,6 +68,7 @@ class DrafterFlags:
     norm_output: bool = True  # feed norm(o_t) to the next draft step instead of o_t
     norm_before_residual: bool = False  # residual of the first layer is hidden_norm(g_t) instead of g_t
     num_layers: int = 1  # decoder layers
+    layer: str = "llama"  # the decoder layer's family: llama | qwen3 (LAYERS: the architecture vLLM serves it as)
     attention_window: int | None = None  # None: full causal attention; N: sliding window (eaglelab only)
     attention_sink_tokens: int = 4  # first tokens always visible under a window
 
@@ -61,6 +80,10 @@ class DrafterFlags:
             )
         if self.num_layers < 1:
             raise ValueError(f"drafter.num_layers must be > 0, got {self.num_layers}")
+        if self.layer not in LAYERS:
+            raise ValueError(
+                f"drafter.layer={self.layer!r} is not a layer eaglelab builds; choose {' or '.join(LAYERS)}"
+            )
         if self.attention_window is not None and self.attention_window < 1:
             raise ValueError(f"drafter.attention_window must be >= 1 or null, got {self.attention_window}")
         if self.attention_sink_tokens < 0:
@@ -161,9 +184,10 @@ class Eagle3Config(DrafterFlags):
 
     # --- vLLM's config.json ------------------------------------------------------------------
     def to_vllm_config(self) -> dict:
+        architecture, model_type = LAYERS[self.layer]
         cfg = {
-            "architectures": ["LlamaForCausalLMEagle3"],
-            "model_type": "llama",
+            "architectures": [architecture],
+            "model_type": model_type,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_layers,
@@ -171,6 +195,7 @@ class Eagle3Config(DrafterFlags):
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim,
             "hidden_act": "silu",
+            "attention_bias": False,
             "vocab_size": self.vocab_size,
             "draft_vocab_size": self.draft_vocab_size,
             "target_hidden_size": self.target_hidden_size,
@@ -195,6 +220,12 @@ class Eagle3Config(DrafterFlags):
     @classmethod
     def from_vllm_config(cls, cfg: dict) -> Eagle3Config:
         extra = cfg.get("eaglelab", {})
+        architecture = (cfg.get("architectures") or ["LlamaForCausalLMEagle3"])[0]
+        if architecture not in READ_AS:
+            known = ", ".join(f"{arch} ({layer})" for arch, layer in READ_AS.items())
+            raise ValueError(f"config.json's architecture {architecture} is not a drafter eaglelab builds: {known}")
+        if cfg.get("attention_bias"):
+            raise ValueError("config.json has attention_bias=true: eaglelab's drafter layers have no q/k/v bias")
         aux = (cfg.get("eagle_config") or {}).get(
             "eagle_aux_hidden_state_layer_ids", cfg.get("eagle_aux_hidden_state_layer_ids")
         )
@@ -212,6 +243,7 @@ class Eagle3Config(DrafterFlags):
             target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]),
             aux_layer_ids=tuple(aux),
             num_layers=cfg.get("num_hidden_layers", 1),
+            layer=READ_AS[architecture],
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_theta=rope_theta,
             max_position_embeddings=cfg.get("max_position_embeddings", 8192),
@@ -309,6 +341,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(in_dim, kv * d, bias=False)
         self.v_proj = nn.Linear(in_dim, kv * d, bias=False)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        if cfg.layer == "qwen3":
+            self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
         # Diagnostics hook (eaglelab.drift): called as probe(probs [B, h, Tq, T + j - 1], positions, query_t).
         self.probe = None
 
@@ -322,8 +356,11 @@ class Attention(nn.Module):
         cfg = self.cfg
         B, Tq, _ = x.shape
         h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q = rope(self.q_proj(x).view(B, Tq, h, d).transpose(1, 2), positions, cfg.rope_theta)
-        k = rope(self.k_proj(x).view(B, Tq, kv, d).transpose(1, 2), positions, cfg.rope_theta)
+        q, k = self.q_proj(x).view(B, Tq, h, d), self.k_proj(x).view(B, Tq, kv, d)
+        if cfg.layer == "qwen3":  # Qwen3's layer: each head's q and k RMS-normed before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rope(q.transpose(1, 2), positions, cfg.rope_theta)
+        k = rope(k.transpose(1, 2), positions, cfg.rope_theta)
         v = self.v_proj(x).view(B, Tq, kv, d).transpose(1, 2)
         k_ctx, v_ctx = past[0] if past else (k, v)  # step-1 keys: the verified context
         own = [*past[1:], (k, v)] if past else []  # steps 2..j at the same t ("diagonal" keys)
@@ -437,7 +474,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """A Llama decoder layer; the first one reads [embedding ; hidden] (2H) into q/k/v."""
+    """A Llama (or Qwen3: `drafter.layer`, in its attention) decoder layer; the first one reads [embedding ; hidden]
+    (2H) into q/k/v."""
 
     def __init__(self, cfg: Eagle3Config, layer_idx: int):
         super().__init__()

@@ -19,6 +19,7 @@ from eaglelab.batches import FeatureDataset, acceptance_counts, collate, expecte
 from eaglelab.config import RunConfig, max_k, vllm_ks
 from eaglelab.drafter import Eagle3Drafter
 from eaglelab.errors import EaglelabError
+from eaglelab.export import FORMAT_DIRS
 from eaglelab.io import write_csv
 from eaglelab.plots import plot_speedup
 from eaglelab.targets import LOGITS_CHUNK, target_head
@@ -161,7 +162,7 @@ def held_out_job(cfg: RunConfig, run_dir: Path, drafter: Eagle3Drafter, serving:
     v = cfg.eval.vllm
     return vllm_job(
         drafter,
-        run_dir / "drafter",
+        run_dir / FORMAT_DIRS[v.drafter_format],  # the export vLLM serves
         serving.path,
         features,
         ks=vllm_ks(cfg),

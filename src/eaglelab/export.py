@@ -1,9 +1,13 @@
 """Drafter checkpoints in vLLM's Eagle3 format: config.json + model.safetensors
-(the contract: docs/conventions.md#vllm-eagle3-checkpoint).
+(the contract: docs/conventions.md#vllm-eagle3-checkpoint), and in speculators' format beside it
+(docs/conventions.md#speculators-format; eaglelab.speculators_format).
 
-Every training run writes one (`<run_dir>/drafter/`); any Lightning checkpoint can be exported later:
+Every training run writes one (`<run_dir>/drafter/`; with eval.vllm.drafter_format=speculators also
+`<run_dir>/drafter_speculators/`, the one vLLM then serves); any Lightning checkpoint can be exported later:
 
-    python -m eaglelab.export RUN_DIR_OR_CKPT OUT_DIR
+    python -m eaglelab.export RUN_DIR_OR_CKPT OUT_DIR [--format speculators --verifier TARGET]
+
+Either format is read back (`checkpoint=PATH`), and so is a drafter trained elsewhere in either.
 """
 
 from __future__ import annotations
@@ -20,6 +24,16 @@ from safetensors.torch import load_file, save_file
 from eaglelab.drafter import Eagle3Config, Eagle3Drafter, export_state_dict, import_state_dict
 from eaglelab.errors import EaglelabError, first_line
 from eaglelab.io import atomic_dir
+from eaglelab.speculators_format import (
+    from_speculators_config,
+    is_speculators_config,
+    speculators_names,
+    to_speculators_config,
+)
+from eaglelab.targets import default_aux_layer_ids
+
+# The folder of each export format in a run directory (eval.vllm.drafter_format: the one vLLM serves).
+FORMAT_DIRS = {"eagle3": "drafter", "speculators": "drafter_speculators"}
 
 
 def save_drafter(model: Eagle3Drafter, out: Path) -> Path:
@@ -28,6 +42,27 @@ def save_drafter(model: Eagle3Drafter, out: Path) -> Path:
         sd = {k: v.float() if v.is_floating_point() else v for k, v in export_state_dict(model).items()}
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(model.cfg.to_vllm_config(), indent=2) + "\n")
+    return out
+
+
+def save_speculators(model: Eagle3Drafter, out: Path, verifier: str, speculative_tokens: int = 3) -> Path:
+    """`model` in speculators' format, every tensor of the Eagle3 export carried (checked: speculators' own
+    converter drops per-layer fc_norm weights), its verifier (the target: a folder or hub name) named."""
+    cfg = model.cfg
+    if cfg.attention_window is not None:
+        raise EaglelabError("a drafter with drafter.attention_window has no speculators (nor vLLM) form; export one "
+                            "without a window")  # fmt: skip
+    verifier_config = Path(verifier) / "config.json"
+    architectures = json.loads(verifier_config.read_text()).get("architectures") if verifier_config.is_file() else None
+    config = to_speculators_config(cfg, str(verifier), architectures or ["LlamaForCausalLM"], speculative_tokens)
+    weights = speculators_names(export_state_dict(model))
+    if read := set(speculators_names(import_state_dict(weights))) ^ set(weights):  # the names read back as written
+        raise EaglelabError(f"speculators export: tensors {sorted(read)[:3]} would not read back")
+    out = Path(out)
+    with atomic_dir(out) as tmp:
+        sd = {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 
 
@@ -60,13 +95,23 @@ def _build(
 def load_drafter(
     path: Path, embed_tokens: torch.Tensor | None = None, target: TargetShape | None = None
 ) -> Eagle3Drafter:
-    """Load an Eagle3 checkpoint (EAGLE-3 or 3.1). `embed_tokens`: the target's, when not in the file."""
+    """Load an Eagle3 checkpoint (EAGLE-3 or 3.1) in vLLM's or speculators' format. `embed_tokens`: the target's,
+    when not in the file."""
     path = Path(path)
     try:
-        cfg = Eagle3Config.from_vllm_config(json.loads((path / "config.json").read_text()))
+        config = json.loads((path / "config.json").read_text())
+        if is_speculators_config(config):  # (null aux ids: the target's defaults, as vLLM takes them)
+            cfg = from_speculators_config(config, target.default_aux_layer_ids() if target else None)
+        else:
+            cfg = Eagle3Config.from_vllm_config(config)
         sd = import_state_dict(load_file(str(path / "model.safetensors")))
     except FileNotFoundError as e:
         raise EaglelabError(f"{path} is not a drafter checkpoint ({Path(e.filename).name} missing)") from None
+    except ValueError as e:
+        if isinstance(e, json.JSONDecodeError):  # a truncated or broken file
+            raise EaglelabError(f"cannot read drafter checkpoint {path} ({first_line(e, 120)}); re-export it") from None
+        # a config eaglelab reads but cannot build from (another layer, another method, a missing field)
+        raise EaglelabError(f"{path}/config.json: {first_line(e, 240)}") from None
     except Exception as e:
         raise EaglelabError(
             f"cannot read drafter checkpoint {path} ({type(e).__name__}: {first_line(e, 120)}); re-export it"
@@ -128,6 +173,9 @@ class TargetShape:
     vocab_size: int
     num_layers: int
 
+    def default_aux_layer_ids(self) -> list[int]:
+        return default_aux_layer_ids(self.num_layers)
+
 
 def check_compatible(cfg: Eagle3Config, target: TargetShape, where) -> None:
     """A drafter drafts only for the target whose states it reads and whose vocabulary it emits."""
@@ -146,22 +194,37 @@ def check_compatible(cfg: Eagle3Config, target: TargetShape, where) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Export a drafter checkpoint in vLLM's Eagle3 format.")
+    ap = argparse.ArgumentParser(description="Export a drafter checkpoint in vLLM's Eagle3 or speculators' format.")
     ap.add_argument("checkpoint", help="a run directory, a Lightning .ckpt or an exported drafter folder")
     ap.add_argument("out", help="output folder (config.json + model.safetensors)")
+    ap.add_argument("--format", choices=FORMAT_DIRS, default="eagle3", help="vLLM's Eagle3 format or speculators'")
+    ap.add_argument("--verifier", help="speculators: the target's folder or hub name (default: a run's target)")
     args = ap.parse_args(argv)
     try:
         if Path(args.out).exists():
             raise EaglelabError(f"{args.out} exists; choose a new output folder")
-        model = load_checkpoint(
-            Path(args.checkpoint), embed_tokens=torch.zeros(0, device="cpu")
-        )  # embeddings are not exported
-        save_drafter(model, Path(args.out))
+        verifier = args.verifier or _run_target(Path(args.checkpoint))
+        if args.format == "speculators" and not verifier:
+            raise EaglelabError(f"{args.checkpoint} names no target; pass --verifier TARGET (its folder or hub name)")
+        # (embeddings are not exported; null aux ids of a speculators drafter need its target: pass a run dir)
+        model = load_checkpoint(Path(args.checkpoint), embed_tokens=torch.zeros(0, device="cpu"))
+        if args.format == "speculators":
+            save_speculators(model, Path(args.out), verifier)
+        else:
+            save_drafter(model, Path(args.out))
     except EaglelabError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"exported: {Path(args.out).resolve()}")
     return 0
+
+
+def _run_target(checkpoint: Path) -> str | None:
+    """The target folder a run directory (or a checkpoint inside one) was trained on, from its run.json."""
+    for folder in (checkpoint, *checkpoint.parents[:2]):
+        if (folder / "run.json").is_file():
+            return json.loads((folder / "run.json").read_text()).get("target_path")
+    return None
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from eaglelab.devices import check_torch_build, release_device_memory
 from eaglelab.drafter import Eagle3Config, Eagle3Drafter
 from eaglelab.errors import ConfigError, EaglelabError
 from eaglelab.evaluate import Serving, as_evaluated, evaluate_held_out, evaluate_held_out_in_vllm, vllm_wanted
-from eaglelab.export import TargetShape, load_checkpoint, save_drafter
+from eaglelab.export import FORMAT_DIRS, TargetShape, load_checkpoint, save_drafter, save_speculators
 from eaglelab.io import atomic_write_text, flock_folder, writable_folder, write_csv
 from eaglelab.limits import as_disk_full, check_limits, measured_peaks
 from eaglelab.plots import plot_acceptance
@@ -229,6 +229,9 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
     if primary:
         with timer("export"):
             save_drafter(drafter, run_dir / "drafter")
+            if cfg.eval.vllm.drafter_format == "speculators":  # its verifier: the target as vLLM serves it
+                speculators_dir = run_dir / FORMAT_DIRS["speculators"]
+                save_speculators(drafter, speculators_dir, str(serving.path), cfg.train.ttt_steps)
     if use_vllm:
         barrier()  # the other ranks' engines read it once it is whole
     elif not primary:

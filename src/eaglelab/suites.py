@@ -41,6 +41,7 @@ from eaglelab.evaluate import (
     same_output_share,
     throughput_rows,
 )
+from eaglelab.export import FORMAT_DIRS
 from eaglelab.io import atomic_write_json, write_csv
 from eaglelab.ranks import current as current_ranks
 
@@ -228,7 +229,7 @@ def suites_job(cfg: RunConfig, drafter, inputs: SuiteInputs, run_dir: Path, serv
     return {
         "mode": "evaluate",
         "target": str(serving.path),
-        "drafter": str(run_dir / "drafter"),
+        "drafter": str(run_dir / FORMAT_DIRS[v.drafter_format]),  # the export vLLM serves
         "groups": _vllm_groups(inputs),
         "stop_token_ids": next(iter({**inputs.long_context, **inputs.templates}.values())).stop_token_ids,
         "ks": suite_ks(cfg),

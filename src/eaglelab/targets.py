@@ -43,6 +43,12 @@ class TargetWeights:
     layers: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
 
+def default_aux_layer_ids(L: int) -> list[int]:
+    """vLLM's default aux layers of a target of L layers: the states after 2, L/2 and L-3 layers; on a target of
+    L <= 6 layers those repeat or leave 1..L-1, and vLLM collects each id once, in order: the distinct ones, sorted."""
+    return sorted({i for i in (2, L // 2, L - 3) if 1 <= i <= L - 1})
+
+
 class Target:
     """A target model: its folder, tokenizer and config at once; its Hugging Face model only when a stage asks for
     `model` (HF regeneration or capture, online features, self_chat's sampling). A run whose data is cached, or
@@ -109,10 +115,7 @@ class Target:
         return int(getattr(self.config, "max_position_embeddings", 2048))
 
     def default_aux_layer_ids(self) -> list[int]:
-        L = self.num_layers
-        # vLLM's default: the states after 2, L/2 and L-3 layers; on a target of L <= 6 layers those repeat or
-        # leave 1..L-1, and vLLM collects each id once, in order: the distinct ones, sorted.
-        return sorted({i for i in (2, L // 2, L - 3) if 1 <= i <= L - 1})
+        return default_aux_layer_ids(self.num_layers)
 
     def weights(self, last_layers: int = 0) -> TargetWeights:
         """What training keeps of the target; `last_layers`: also the weights of its last n decoder layers. The

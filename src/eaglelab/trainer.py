@@ -279,12 +279,16 @@ def init_layers_from_target(drafter: Eagle3Drafter, layers: list[dict[str, torch
         own = layer.state_dict()
         # each drafter weight's name in the target's layer (copy_ casts: no float copy of the whole layer)
         names = {n: "input_layernorm.weight" if n == "hidden_norm.weight" else n for n in own}
+        # A Qwen3 layer (drafter.layer) on a target without per-head q/k norms: those start at ones
+        names = {n: s for n, s in names.items() if s in source or s.split(".")[-2] not in ("q_norm", "k_norm")}
         if missing := sorted(set(names.values()) - source.keys()):
             raise EaglelabError(
                 f"drafter.init_layers_from_target: the target's layer has no {', '.join(missing)} (not a Llama-style "
                 "layer); set drafter.init_layers_from_target=false"
             )
         for name, tensor in own.items():
+            if name not in names:
+                continue
             weight = source[names[name]]
             if layer.first and name in {f"self_attn.{p}_proj.weight" for p in "qkv"}:
                 weight = torch.cat([weight, weight], dim=1)  # [out, 2H]: embedding half, hidden half

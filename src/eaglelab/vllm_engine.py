@@ -302,7 +302,8 @@ CPU_KV_CACHE_MAX = 2 << 30  # what every engine got before its cache was sized (
 def model_config(model_dir: str) -> dict:
     """A model folder's config.json, a multimodal model's text_config folded in."""
     c = json.loads((Path(model_dir) / "config.json").read_text())
-    return {**c.get("text_config", {}), **c}
+    # (a speculators-format drafter keeps its layer's shape in transformer_layer_config)
+    return {**c.get("text_config", {}), **c.get("transformer_layer_config", {}), **c}
 
 
 def _kv_bytes_per_token(model_dir: str, dtype: str) -> int:
