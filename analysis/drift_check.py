@@ -50,10 +50,10 @@ class KVCache:
     drafts writes its keys after the context's and is dropped by rewinding (`rewind`), as an engine reuses its
     draft slots: the next verified position overwrites them."""
 
-    def __init__(self, capacity: int, kv: int, d: int):
+    def __init__(self, capacity: int, kv: int, d: int, d_v: int | None = None):
         self.pos = torch.zeros(capacity, dtype=torch.long)
         self.k = torch.zeros(capacity, kv, d, dtype=torch.float64)
-        self.v = torch.zeros(capacity, kv, d, dtype=torch.float64)
+        self.v = torch.zeros(capacity, kv, d_v or d, dtype=torch.float64)
         self.n = 0
 
     def append(self, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -81,6 +81,11 @@ class PlainDrafter:
         self.n_aux = len(self.c["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
         # Qwen3's layer (vLLM's qwen3_eagle3.py): each head's q and k RMS-normed before RoPE
         self.qk_norm = self.c["architectures"][0] in ("Eagle3Qwen3ForCausalLM", "PeagleQwen3ForCausalLM")
+        # DeepSeek's latent attention (vLLM's deepseek_eagle3.py): every head has its keys and values of its own
+        self.mla = self.c["architectures"][0] in ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
+        if self.mla:
+            self.kv, self.d = self.h, self.c["qk_nope_head_dim"] + self.c["qk_rope_head_dim"]
+        self.d_v = self.c["v_head_dim"] if self.mla else self.d
 
     def rms_norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return self.w[name] * x / torch.sqrt(x.pow(2).mean() + self.c["rms_norm_eps"])
@@ -90,6 +95,29 @@ class PlainDrafter:
         if not self.qk_norm:
             return x
         return self.w[name] * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.c["rms_norm_eps"])
+
+    def rotary_pairs(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        """x: [..., r] at `pos`, DeepSeek's RoPE: pairs (2i, 2i + 1) rotated by pos / theta^(2i/r)."""
+        r = x.shape[-1]
+        angle = pos / self.c["rope_theta"] ** (torch.arange(r // 2, dtype=torch.float64) * 2 / r)
+        a, b = x[..., 0::2], x[..., 1::2]
+        return torch.stack([a * angle.cos() - b * angle.sin(), b * angle.cos() + a * angle.sin()], dim=-1).flatten(-2)
+
+    def latent_qkv(self, inp: torch.Tensor, pos: int, p: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k: [heads, nope + rope], v: [heads, v] of one position from its latents."""
+        c, w = self.c, lambda n: self.w[p + "self_attn." + n + ".weight"]  # noqa: E731
+        nope, r = c["qk_nope_head_dim"], c["kv_lora_rank"]
+        q = (
+            w("q_proj") @ inp
+            if not c.get("q_lora_rank")
+            else w("q_b_proj") @ self.rms_norm(w("q_a_proj") @ inp, p + "self_attn.q_a_layernorm.weight")
+        )
+        q = q.view(self.h, -1)
+        q = torch.cat([q[:, :nope], self.rotary_pairs(q[:, nope:], pos)], dim=1)
+        a = w("kv_a_proj_with_mqa") @ inp
+        kv = (w("kv_b_proj") @ self.rms_norm(a[:r], p + "self_attn.kv_a_layernorm.weight")).view(self.h, -1)
+        k_rope = self.rotary_pairs(a[r:], pos).expand(self.h, -1)
+        return q, torch.cat([kv[:, :nope], k_rope], dim=1), kv[:, nope:]
 
     def rotary(self, x: torch.Tensor, pos: int) -> torch.Tensor:
         """x: [heads, d] at integer position `pos`: pairs (i, i + d/2) rotated by pos / theta^(2i/d)."""
@@ -123,11 +151,14 @@ class PlainDrafter:
                     inp = torch.cat([e, self.rms_norm(x, p + "hidden_norm.weight")])
             else:
                 inp = self.rms_norm(x, p + "input_layernorm.weight")
-            q = (self.w[p + "self_attn.q_proj.weight"] @ inp).view(self.h, self.d)
-            k = (self.w[p + "self_attn.k_proj.weight"] @ inp).view(self.kv, self.d)
-            q = self.rotary(self.per_head(q, p + "self_attn.q_norm.weight"), pos)
-            k = self.rotary(self.per_head(k, p + "self_attn.k_norm.weight"), pos)
-            v = (self.w[p + "self_attn.v_proj.weight"] @ inp).view(self.kv, self.d)
+            if self.mla:
+                q, k, v = self.latent_qkv(inp, pos, p)
+            else:
+                q = (self.w[p + "self_attn.q_proj.weight"] @ inp).view(self.h, self.d)
+                k = (self.w[p + "self_attn.k_proj.weight"] @ inp).view(self.kv, self.d)
+                q = self.rotary(self.per_head(q, p + "self_attn.q_norm.weight"), pos)
+                k = self.rotary(self.per_head(k, p + "self_attn.k_norm.weight"), pos)
+                v = (self.w[p + "self_attn.v_proj.weight"] @ inp).view(self.kv, self.d)
             cache = caches[i]
             cache.append(pos, k, v)
             key_pos, keys, values = cache.pos[: cache.n], cache.k[: cache.n], cache.v[: cache.n]
@@ -167,7 +198,7 @@ def drafts(drafter: PlainDrafter, ids: list[int], aux: torch.Tensor, prompt_len:
     (verified position t, depth j, the state fed to it [H], per layer its probabilities [heads, keys] and the keys'
     position ids). A draft is made from t >= prompt_len - 1 while its target x_{t+j+1} is inside the sequence."""
     T = len(ids)
-    caches = [KVCache(T + depth, drafter.kv, drafter.d) for _ in range(drafter.layers)]
+    caches = [KVCache(T + depth, drafter.kv, drafter.d, drafter.d_v) for _ in range(drafter.layers)]
     for t in range(T):
         token = ids[t + 1] if t + 1 < T else 0  # step 1 at t reads x_{t+1} (the engine's next verified token)
         state = drafter.fused(aux[t])

@@ -27,6 +27,7 @@ class ReferenceDrafter:
         self.window, self.sink = extra.get("attention_window"), extra.get("attention_sink_tokens", 4)
         self.n_aux = len(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
         self.qwen3 = config["architectures"] == ["Eagle3Qwen3ForCausalLM"]  # per-head q/k RMSNorm before RoPE
+        self.mla = config["architectures"] == ["Eagle3DeepseekV2ForCausalLM"]  # DeepSeek's latent attention
 
     def rms(self, x, name):
         return self.w[name] * (x / torch.sqrt((x * x).mean() + self.eps))
@@ -51,6 +52,40 @@ class ReferenceDrafter:
             aux = torch.cat([self.rms(ch, f"fc_norm.{i}.weight") for i, ch in enumerate(aux.chunk(self.n_aux))])
         return self.w["fc.weight"] @ aux
 
+    def rotate_pairs(self, x, pos):  # x: [..., d], DeepSeek's RoPE: pairs (2i, 2i + 1) at integer position `pos`
+        d, out = x.shape[-1], torch.empty_like(x)
+        for i in range(d // 2):
+            angle = pos / (self.c["rope_theta"] ** (2 * i / d))
+            c, s = math.cos(angle), math.sin(angle)
+            out[..., 2 * i] = x[..., 2 * i] * c - x[..., 2 * i + 1] * s
+            out[..., 2 * i + 1] = x[..., 2 * i + 1] * c + x[..., 2 * i] * s
+        return out
+
+    def latent_attention(self, p, x, pos, cache):
+        """MLA as a served engine computes it: the cache holds each position's normed latent and its shared RoPE key
+        only, kv_b_proj's key half absorbed into the query and its value half applied after the weighted sum."""
+        c, w = self.c, lambda n: self.w[p + "self_attn." + n + ".weight"]  # noqa: E731
+        nope, rope, dv, r = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
+        if c.get("q_lora_rank"):
+            q = w("q_b_proj") @ self.rms(w("q_a_proj") @ x, p + "self_attn.q_a_layernorm.weight")
+        else:
+            q = w("q_proj") @ x
+        q = q.view(self.h, nope + rope)
+        a = w("kv_a_proj_with_mqa") @ x
+        cache.append((self.rms(a[:r], p + "self_attn.kv_a_layernorm.weight"), self.rotate_pairs(a[r:], pos), pos))
+        up = w("kv_b_proj").view(self.h, nope + dv, r)  # per head: [key (nope) ; value (dv)] from the latent
+        outs = []
+        for head in range(self.h):
+            q_latent = up[head, :nope].T @ q[head, :nope]  # [r]: the query's no-position part, in latent space
+            q_rope = self.rotate_pairs(q[head, nope:], pos)
+            keys = [
+                (lat, kr) for lat, kr, kp in cache if self.window is None or pos - kp < self.window or kp < self.sink
+            ]
+            scores = torch.stack([(q_latent @ lat + q_rope @ kr) / math.sqrt(nope + rope) for lat, kr in keys])
+            probs = torch.softmax(scores, dim=0)
+            outs.append(up[head, nope:] @ sum(pr * lat for pr, (lat, _) in zip(probs, keys)))
+        return w("o_proj") @ torch.cat(outs)
+
     def layer(self, i, token, hidden, pos, cache):
         """One token through decoder layer i; appends (k, v, pos) to `cache` (this layer's list)."""
         p = f"layers.{i}."
@@ -64,6 +99,8 @@ class ReferenceDrafter:
             x = torch.cat([e, normed])
         else:
             residual, x = hidden, self.rms(hidden, p + "input_layernorm.weight")
+        if self.mla:
+            return self.mlp(p, residual + self.latent_attention(p, x, pos, cache))
         q = (self.w[p + "self_attn.q_proj.weight"] @ x).view(self.h, self.d)
         k = (self.w[p + "self_attn.k_proj.weight"] @ x).view(self.kv, self.d)
         if self.qwen3:
@@ -82,7 +119,9 @@ class ReferenceDrafter:
             scores = torch.stack([q[head] @ kk / math.sqrt(self.d) for kk, _, _ in keys])
             probs = torch.softmax(scores, dim=0)
             outs.append(sum(pr * vv for pr, (_, vv, _) in zip(probs, keys)))
-        h1 = residual + self.w[p + "self_attn.o_proj.weight"] @ torch.cat(outs)
+        return self.mlp(p, residual + self.w[p + "self_attn.o_proj.weight"] @ torch.cat(outs))
+
+    def mlp(self, p, h1):
         y = self.rms(h1, p + "post_attention_layernorm.weight")
         mlp = self.w[p + "mlp.down_proj.weight"] @ (
             F.silu(self.w[p + "mlp.gate_proj.weight"] @ y) * (self.w[p + "mlp.up_proj.weight"] @ y)

@@ -25,6 +25,8 @@ def small_config(**flags) -> Eagle3Config:
         rope_theta=10000.0,
         target_num_layers=8,
     )
+    if flags.get("layer") == "mla":  # a latent narrower than the heads, q/k heads wider than the values (16 + 8, 16)
+        base.update(kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
     base.update(flags)
     return Eagle3Config(**base)
 
@@ -72,6 +74,8 @@ def test_unroll_matches_step_by_step_engine(fc_norm, norm_output):
         dict(num_layers=2),
         dict(layer="qwen3"),
         dict(layer="qwen3", num_layers=2, fc_norm=False, norm_output=False),
+        dict(layer="mla"),
+        dict(layer="mla", q_lora_rank=20, num_layers=2, attention_window=2, attention_sink_tokens=1),
         # windows shorter than the depth (4) less one: the deepest drafts' window excludes the step-1 key at t and
         # their earliest own drafts too, which an engine's KV cache holds at their positions like any other key
         dict(attention_window=2, attention_sink_tokens=2),
@@ -165,8 +169,10 @@ def test_contradictory_and_out_of_range_flags_are_rejected():
         small_config(fc_norm=True, norm_before_fc=True)
     with pytest.raises(ValueError, match="L=8"):
         small_config(aux_layer_ids=(1, 3, 8))
-    with pytest.raises(ValueError, match="drafter.layer='mla' is not a layer eaglelab builds; choose llama or qwen3"):
-        small_config(layer="mla")
+    with pytest.raises(ValueError, match="layer='gqa' is not a layer eaglelab builds; choose llama or qwen3 or mla"):
+        small_config(layer="gqa")
+    with pytest.raises(ValueError, match="drafter.layer=mla needs kv_lora_rank"):
+        small_config(layer="mla", kv_lora_rank=0)
 
 
 def test_vllm_config_roundtrip_and_eagle3_defaults():
@@ -189,8 +195,13 @@ def test_each_layer_exports_as_the_architecture_vllm_serves_it_as():
     assert Eagle3Config.from_vllm_config({**qwen3, "architectures": ["PeagleQwen3ForCausalLM"]}).layer == "qwen3"
     llama = small_config().to_vllm_config()
     assert Eagle3Config.from_vllm_config({**llama, "architectures": ["Eagle3LlamaForCausalLM"]}).layer == "llama"
-    with pytest.raises(ValueError, match="Eagle3DeepseekV3ForCausalLM is not a drafter eaglelab builds: .*qwen3"):
-        Eagle3Config.from_vllm_config({**llama, "architectures": ["Eagle3DeepseekV3ForCausalLM"]})
+    mla = small_config(layer="mla", q_lora_rank=20).to_vllm_config()
+    assert (mla["architectures"], mla["model_type"]) == (["Eagle3DeepseekV2ForCausalLM"], "deepseek_v2")
+    assert (mla["kv_lora_rank"], mla["q_lora_rank"], mla["qk_rope_head_dim"]) == (24, 20, 8) and mla["rope_interleave"]
+    assert Eagle3Config.from_vllm_config(mla) == small_config(layer="mla", q_lora_rank=20)
+    assert small_config(layer="mla").to_vllm_config()["q_lora_rank"] is None  # q projected directly
+    with pytest.raises(ValueError, match="DFlashDraftModel is not a drafter eaglelab builds: .*qwen3"):
+        Eagle3Config.from_vllm_config({**llama, "architectures": ["DFlashDraftModel"]})
 
 
 def test_drafting_only_from_first_position_changes_nothing_there():

@@ -61,7 +61,7 @@ def test_flags_are_read_as_vllm_reads_them():
     with pytest.raises(ValueError, match="'dflash': eaglelab reads EAGLE-3 drafters"):
         from_speculators_config({**config, "speculators_model_type": "dflash"}, [2, 4, 5])
     layer = {**config["transformer_layer_config"], "model_type": "deepseek_v3"}
-    with pytest.raises(ValueError, match="'deepseek_v3': eaglelab builds llama, qwen3"):
+    with pytest.raises(ValueError, match="'deepseek_v3': speculators' eagle3 layers are llama, qwen3"):
         from_speculators_config({**config, "transformer_layer_config": layer}, [2, 4, 5])
 
 
@@ -83,6 +83,12 @@ def test_speculators_converter_output_that_lost_its_fc_norm_is_refused_naming_th
         load_drafter(tmp_path / "fc3-spec", torch.zeros(50, 64))
     whole = load_drafter(tmp_path / "fc3-spec", torch.zeros(50, 64), shape)
     assert not whole.cfg.fc_norm and whole.cfg.aux_layer_ids == (2, 4, 5)  # vLLM's default ids of an 8-layer target
+
+
+def test_an_mla_drafter_has_no_speculators_form(tmp_path):
+    with pytest.raises(EaglelabError, match="drafter.layer=mla: speculators' format has llama and qwen3 layers only"):
+        save_speculators(random_drafter(small_config(layer="mla")).float(), tmp_path / "s", "t")
+    assert not (tmp_path / "s").exists()
 
 
 def test_the_export_cli_writes_either_format(tmp_path, capsys):

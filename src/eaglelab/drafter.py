@@ -15,9 +15,11 @@ Each EAGLE-3.1 flag is a boolean that acts in exactly one place:
     norm_before_fc       -> `Eagle3Drafter.fc_input`      (one RMSNorm over the concatenation)
     norm_output          -> `Eagle3Drafter.feedback`      (which state the next step is fed)
     norm_before_residual -> `DecoderLayer.forward`        (residual is hidden_norm(g) instead of g)
-    layer                -> `Attention.forward`           (llama: Llama's layer; qwen3: Qwen3's, an RMSNorm over each
+    layer                -> `Attention.project`           (llama: Llama's layer; qwen3: Qwen3's, an RMSNorm over each
                                                            head's q and k before RoPE, exported for vLLM's
-                                                           `qwen3_eagle3.py`)
+                                                           `qwen3_eagle3.py`; mla: DeepSeek's multi-head latent
+                                                           attention, `LatentAttention.project`, for vLLM's
+                                                           `deepseek_eagle3.py`)
     attention_window     -> `in_window`                   (sliding window + kept sink tokens, over context and
                                                            own drafts; eaglelab only: vLLM's Eagle3 drafter has no
                                                            such flag)
@@ -46,6 +48,9 @@ from torch.utils.checkpoint import checkpoint
 LAYERS = {
     "llama": ("LlamaForCausalLMEagle3", "llama"),  # vllm/model_executor/models/llama_eagle3.py
     "qwen3": ("Eagle3Qwen3ForCausalLM", "qwen3"),  # vllm/model_executor/models/qwen3_eagle3.py
+    # vllm/model_executor/models/deepseek_eagle3.py; as DeepSeek-V2's: vLLM takes a draft config of model_type
+    # deepseek_v3 for DeepSeek's own MTP head (SpeculativeConfig.hf_config_override), not an Eagle3 drafter
+    "mla": ("Eagle3DeepseekV2ForCausalLM", "deepseek_v2"),
 }
 READ_AS = {
     **{arch: layer for layer, (arch, _) in LAYERS.items()},
@@ -53,7 +58,10 @@ READ_AS = {
     "PEagleDraftModel": "llama",
     "PeagleLlamaForCausalLM": "llama",
     "PeagleQwen3ForCausalLM": "qwen3",
+    "Eagle3DeepseekV3ForCausalLM": "mla",
 }
+# The latent attention's shape (drafter.layer=mla), in config.json as DeepSeek's configs name it.
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 @dataclass(kw_only=True)
@@ -68,7 +76,7 @@ class DrafterFlags:
     norm_output: bool = True  # feed norm(o_t) to the next draft step instead of o_t
     norm_before_residual: bool = False  # residual of the first layer is hidden_norm(g_t) instead of g_t
     num_layers: int = 1  # decoder layers
-    layer: str = "llama"  # the decoder layer's family: llama | qwen3 (LAYERS: the architecture vLLM serves it as)
+    layer: str = "llama"  # the decoder layer's family: llama | qwen3 | mla (LAYERS: the architecture vLLM serves)
     attention_window: int | None = None  # None: full causal attention; N: sliding window (eaglelab only)
     attention_sink_tokens: int = 4  # first tokens always visible under a window
 
@@ -113,6 +121,21 @@ def check_aux_layer_ids(ids, num_target_layers: int = 0) -> None:
         )
 
 
+def mla_shape(target_config) -> dict:
+    """The latent attention's shape for a target: a DeepSeek/Kimi target's own (its config names it), else one
+    sized from the target's head_dim d and hidden size H as DeepSeek-V3's is (q/k heads of 128 + 64 without and with
+    position, values of 128, a key-value latent of 512, a query latent of 3 × that): heads of d + d/2 and d, latents
+    of min(4d, H) and min(3 × that, H). The query goes through its latent: vLLM 0.32's deepseek_eagle3.py loads only
+    such drafters (it always fuses q_a_proj with kv_a_proj_with_mqa)."""
+    tc = target_config
+    if getattr(tc, "kv_lora_rank", None):
+        return {n: getattr(tc, n, None) or 0 for n in MLA_FIELDS}
+    d = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    kv_lora = min(4 * d, tc.hidden_size)
+    return {"q_lora_rank": min(3 * kv_lora, tc.hidden_size), "kv_lora_rank": kv_lora, "qk_nope_head_dim": d,
+            "qk_rope_head_dim": d // 2 // 2 * 2, "v_head_dim": d}  # fmt: skip
+
+
 @dataclass(kw_only=True)
 class Eagle3Config(DrafterFlags):
     """Everything that determines the drafter (maps 1:1 to vLLM's config.json): the design flags plus the
@@ -131,10 +154,21 @@ class Eagle3Config(DrafterFlags):
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
     target_num_layers: int = 0  # L of the target; only used for validation
+    # drafter.layer=mla: the latent attention's shape (0: not an MLA drafter; q_lora_rank 0: q projected directly).
+    # A DeepSeek/Kimi target's own; on another target, from its head_dim (`for_target`).
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self):
         super().__post_init__()
         self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
+        if self.layer == "mla" and not (self.kv_lora_rank > 0 and self.qk_rope_head_dim > 0 and self.v_head_dim > 0):
+            raise ValueError("drafter.layer=mla needs kv_lora_rank, qk_rope_head_dim and v_head_dim > 0")
+        if self.layer == "mla" and self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs)")
         for name in (
             "hidden_size",
             "intermediate_size",
@@ -180,6 +214,7 @@ class Eagle3Config(DrafterFlags):
             rope_theta=float(rope_theta),
             max_position_embeddings=max_context,
             target_num_layers=tc.num_hidden_layers,
+            **(mla_shape(tc) if flags.layer == "mla" else {}),
         )
 
     # --- vLLM's config.json ------------------------------------------------------------------
@@ -205,6 +240,12 @@ class Eagle3Config(DrafterFlags):
             "tie_word_embeddings": False,
             "torch_dtype": "float32",
             **{name: getattr(self, name) for name in _boolean_flags()},  # fc_norm, norm_output, ...
+            # the latent attention's shape (q_lora_rank null: q projected directly), its RoPE on interleaved pairs
+            **(
+                {**{n: getattr(self, n) or None for n in MLA_FIELDS}, "rope_interleave": True}
+                if self.layer == "mla"
+                else {}
+            ),
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)},
             # also at the top level: some vLLM versions read it there and otherwise use the default ids
             "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
@@ -244,6 +285,7 @@ class Eagle3Config(DrafterFlags):
             aux_layer_ids=tuple(aux),
             num_layers=cfg.get("num_hidden_layers", 1),
             layer=READ_AS[architecture],
+            **({n: cfg.get(n) or 0 for n in MLA_FIELDS} if READ_AS[architecture] == "mla" else {}),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_theta=rope_theta,
             max_position_embeddings=cfg.get("max_position_embeddings", 8192),
@@ -336,6 +378,12 @@ class Attention(nn.Module):
     def __init__(self, cfg: Eagle3Config, in_dim: int):
         super().__init__()
         self.cfg = cfg
+        self.build(cfg, in_dim)
+        # Diagnostics hook (eaglelab.drift): called as probe(probs [B, h, Tq, T + j - 1], positions, query_t).
+        self.probe = None
+
+    def build(self, cfg: Eagle3Config, in_dim: int) -> None:
+        """The projections (vLLM's names): Llama's q/k/v/o, and Qwen3's per-head q/k norms."""
         h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_proj = nn.Linear(in_dim, h * d, bias=False)
         self.k_proj = nn.Linear(in_dim, kv * d, bias=False)
@@ -343,16 +391,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
         if cfg.layer == "qwen3":
             self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
-        # Diagnostics hook (eaglelab.drift): called as probe(probs [B, h, Tq, T + j - 1], positions, query_t).
-        self.probe = None
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, query_t: torch.Tensor, past: tuple
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """Draft step j = len(past) + 1 for queries x: [B, Tq, in_dim] at position ids `positions` [B, Tq]
-        (t + j - 1), drafting from verified positions `query_t` [B, Tq] (the last Tq, t = T - Tq + i). `past`
-        holds (k, v) of steps 1..j-1 of this layer: step 1 over all T context positions [B, kv, T, d], later
-        steps in the queries' layout [B, kv, Tq, d]. -> (output [B, Tq, H], this step's (k, v))."""
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [B, Tq, in_dim] at position ids [B, Tq] -> q [B, h, Tq, d], k and v [B, kv, Tq, d], RoPE applied."""
         cfg = self.cfg
         B, Tq, _ = x.shape
         h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -361,19 +402,29 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = rope(q.transpose(1, 2), positions, cfg.rope_theta)
         k = rope(k.transpose(1, 2), positions, cfg.rope_theta)
-        v = self.v_proj(x).view(B, Tq, kv, d).transpose(1, 2)
+        return q, k, self.v_proj(x).view(B, Tq, kv, d).transpose(1, 2)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, query_t: torch.Tensor, past: tuple
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Draft step j = len(past) + 1 for queries x: [B, Tq, in_dim] at position ids `positions` [B, Tq]
+        (t + j - 1), drafting from verified positions `query_t` [B, Tq] (the last Tq, t = T - Tq + i). `past`
+        holds (k, v) of steps 1..j-1 of this layer: step 1 over all T context positions [B, kv, T, d], later
+        steps in the queries' layout [B, kv, Tq, d]. -> (output [B, Tq, H], this step's (k, v))."""
+        B, Tq, _ = x.shape
+        q, k, v = self.project(x, positions)
         k_ctx, v_ctx = past[0] if past else (k, v)  # step-1 keys: the verified context
         own = [*past[1:], (k, v)] if past else []  # steps 2..j at the same t ("diagonal" keys)
         attend = self._attend_explicit if self.probe is not None else self._attend_fused
-        out = attend(q, k_ctx, v_ctx, own, positions, query_t)  # [B, h, Tq, d]
-        return self.o_proj(out.transpose(1, 2).reshape(B, Tq, h * d)), (k, v)
+        out = attend(q, k_ctx, v_ctx, own, positions, query_t)  # [B, h, Tq, d_v]
+        return self.o_proj(out.transpose(1, 2).reshape(B, Tq, -1)), (k, v)
 
     def _own_scores(self, q, own, positions) -> list[torch.Tensor]:
         """q: [B, h, tq, d] · each own draft's key at the same t -> scores [B, h, tq, 1], the sliding window applied:
         the drafts of steps 2..j sit at position ids t+1..t+j-1 (own[i] is len(own)-1-i positions before the
         query), masked by position as the context is; the query's own key (distance 0) is always visible."""
         cfg, rep = self.cfg, q.shape[1] // own[0][0].shape[1] if own else 1
-        scale = 1.0 / math.sqrt(cfg.head_dim)
+        scale = 1.0 / math.sqrt(q.shape[-1])
         scores = [(q * k_i.repeat_interleave(rep, 1)).sum(-1, keepdim=True) * scale for k_i, _ in own]
         if cfg.attention_window is None:
             return scores
@@ -388,8 +439,9 @@ class Attention(nn.Module):
         ]
 
     def _attend_fused(self, q, k_ctx, v_ctx, own, positions, query_t):
-        """q: [B, h, Tq, d], k_ctx/v_ctx: [B, kv, T, d], own: [(k, v) [B, kv, Tq, d]] -> [B, h, Tq, d]."""
-        cfg, (B, h, Tq, d), T = self.cfg, q.shape, k_ctx.shape[2]
+        """q: [B, h, Tq, d], k_ctx/v_ctx: [B, kv, T, d | d_v], own: [(k, v) [B, kv, Tq, d | d_v]] -> [B, h, Tq, d_v]
+        (values may be narrower than queries and keys: the latent attention's)."""
+        cfg, (B, h, Tq, d), T, dv = self.cfg, q.shape, k_ctx.shape[2], v_ctx.shape[-1]
         scale = 1.0 / math.sqrt(d)
         if not own:  # step 1: every position, plain causal attention over the context
             mask = None
@@ -405,18 +457,18 @@ class Attention(nn.Module):
         pad, front = self.PAD, T - Tq + 1  # zero queries ahead of the real ones: causal alignment (class docstring)
         q_x = torch.cat([q, (c / scale).to(q.dtype), q.new_zeros(B, h, Tq, pad - 1)], dim=-1)
         q_x = torch.cat([q_x.new_zeros(B, h, front, d + pad), q_x], dim=2)  # [B, h, T + 1, d + pad]
-        sink = k_ctx.new_zeros(B, k_ctx.shape[1], 1, d + pad)
-        sink[..., d] = 1.0
-        k_x = torch.cat([sink, F.pad(k_ctx, (0, pad))], dim=2)  # [B, kv, T + 1, d + pad]
-        v_x = torch.cat([sink, F.pad(v_ctx, (0, pad))], dim=2)
+        sink_k, sink_v = k_ctx.new_zeros(B, k_ctx.shape[1], 1, d + pad), v_ctx.new_zeros(B, v_ctx.shape[1], 1, dv + pad)
+        sink_k[..., d], sink_v[..., dv] = 1.0, 1.0
+        k_x = torch.cat([sink_k, F.pad(k_ctx, (0, pad))], dim=2)  # [B, kv, T + 1, d + pad]
+        v_x = torch.cat([sink_v, F.pad(v_ctx, (0, pad))], dim=2)  # [B, kv, T + 1, d_v + pad]
         mask = None
         if cfg.attention_window is not None:
             rows = torch.arange(-1, T, device=q.device)  # query row r drafts from t = r - 1 (zero rows: any)
             shift = positions[0, 0] - query_t[0, 0]  # j - 1
             ctx = self._window_mask(rows + shift, rows, torch.arange(T, device=q.device))  # [T + 1, T]
             mask = torch.cat([torch.ones_like(ctx[:, :1]), ctx], dim=1)  # the sink always visible
-        o_x = self._sdpa(q_x, k_x, v_x, mask, scale)[:, :, front:]  # [B, h, Tq, d + pad]
-        return (o_x[..., :d] + o_x[..., d : d + 1] * own_out).to(q.dtype)  # own_out is float32 at least
+        o_x = self._sdpa(q_x, k_x, v_x, mask, scale)[:, :, front:]  # [B, h, Tq, d_v + pad]
+        return (o_x[..., :dv] + o_x[..., dv : dv + 1] * own_out).to(q.dtype)  # own_out is float32 at least
 
     @staticmethod
     def _sdpa(q, k, v, mask, scale):
@@ -446,7 +498,7 @@ class Attention(nn.Module):
         for s in range(0, Tq, block):
             qb, pb, tb = q[:, :, s : s + block], positions[:, s : s + block], query_t[:, s : s + block]
             own_b = [(k_i[:, :, s : s + block], v_i[:, :, s : s + block]) for k_i, v_i in own]
-            scale = 1.0 / math.sqrt(self.cfg.head_dim)
+            scale = 1.0 / math.sqrt(q.shape[-1])
             mask = context_mask(
                 pb, tb, torch.arange(T, device=q.device), self.cfg.attention_window, self.cfg.attention_sink_tokens
             )  # [B, tq, T]
@@ -460,6 +512,52 @@ class Attention(nn.Module):
                 out = out + probs[..., T + i : T + i + 1] * v_i.repeat_interleave(rep, 1)
             outs.append(out)
         return torch.cat(outs, dim=2)
+
+
+def rope_interleaved(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """DeepSeek's RoPE: pairs (2i, 2i + 1) rotated (vLLM's is_neox_style=False). x: [B, h, T, d], positions [B, T]."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    angles = (positions.float()[..., None] * inv_freq)[:, None]  # [B, 1, T, d/2]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
+
+
+class LatentAttention(Attention):
+    """DeepSeek's multi-head latent attention (MLA), as vLLM's `deepseek_eagle3.py` serves it (weights by its
+    names). Keys and values come from one latent per position, c = RMSNorm(x W_kv_a) [kv_lora_rank], expanded per
+    head by kv_b_proj; each head's query and key are [no-position part (qk_nope) ; RoPE part (qk_rope)], the key's
+    RoPE part shared by every head and taken from x directly. A served engine caches only the latent and the
+    shared RoPE key (and absorbs kv_b_proj into the queries): the same attention, computed in another order."""
+
+    def build(self, cfg: Eagle3Config, in_dim: int) -> None:
+        h, nope, rope_d, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        if cfg.q_lora_rank:  # q through a low-rank latent of its own
+            self.q_a_proj = nn.Linear(in_dim, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * (nope + rope_d), bias=False)
+        else:
+            self.q_proj = nn.Linear(in_dim, h * (nope + rope_d), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(in_dim, cfg.kv_lora_rank + rope_d, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (nope + dv), bias=False)
+        self.o_proj = nn.Linear(h * dv, cfg.hidden_size, bias=False)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [B, Tq, in_dim] -> q, k [B, h, Tq, qk_nope + qk_rope], v [B, h, Tq, v_head_dim]."""
+        cfg = self.cfg
+        B, Tq, _ = x.shape
+        h, nope, rope_d, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if cfg.q_lora_rank else self.q_proj(x)
+        q = q.view(B, Tq, h, nope + rope_d).transpose(1, 2)  # [B, h, Tq, nope + rope]
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, rope_d], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, Tq, h, nope + dv).transpose(1, 2)
+        k_nope, v = kv.split([nope, dv], dim=-1)
+        k_rope = rope_interleaved(k_rope[:, None], positions, cfg.rope_theta)  # [B, 1, Tq, rope]: every head's
+        q = torch.cat([q[..., :nope], rope_interleaved(q[..., nope:], positions, cfg.rope_theta)], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(B, h, Tq, rope_d)], dim=-1)
+        return q, k, v
 
 
 class MLP(nn.Module):
@@ -484,7 +582,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         if self.first:
             self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, 2 * H if self.first else H)
+        self.self_attn = (LatentAttention if cfg.layer == "mla" else Attention)(cfg, 2 * H if self.first else H)
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 

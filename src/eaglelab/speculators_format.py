@@ -18,10 +18,12 @@ own (`layers.{i}.*`, never `midlayer.*`; `fc_norm.{i}`, `input_norm`, `norm`, `l
 
 from __future__ import annotations
 
-from eaglelab.drafter import LAYERS, Eagle3Config, _boolean_flags
+from eaglelab.drafter import Eagle3Config, _boolean_flags
 
 # What vLLM's update_eagle3 reads a missing flag as.
 MISSING_FLAG = {"norm_before_residual": True}
+# The layers speculators' eagle3 format has (vLLM's update_eagle3 maps these model types, and no other).
+SPECULATORS_LAYERS = ("llama", "qwen3")
 
 
 def is_speculators_config(cfg: dict) -> bool:
@@ -40,8 +42,9 @@ def from_speculators_config(cfg: dict, default_aux: list[int] | None) -> Eagle3C
         raise ValueError("the speculators config has no transformer_layer_config (the decoder layer's config)")
     layer_cfg = dict(cfg["transformer_layer_config"])
     model_type = layer_cfg.pop("model_type", "llama")
-    if model_type not in LAYERS:
-        raise ValueError(f"transformer_layer_config.model_type {model_type!r}: eaglelab builds {', '.join(LAYERS)}")
+    if model_type not in SPECULATORS_LAYERS:
+        known = ", ".join(SPECULATORS_LAYERS)
+        raise ValueError(f"transformer_layer_config.model_type {model_type!r}: speculators' eagle3 layers are {known}")
     tc = AutoConfig.for_model(model_type, **layer_cfg)  # its family's defaults for what to_diff_dict left out
     aux = cfg.get("eagle_aux_hidden_state_layer_ids") or default_aux
     if not aux:
@@ -78,6 +81,9 @@ def to_speculators_config(
     target) named by `verifier` (a path or hub name) and its architectures; `speculative_tokens`: the depth a server
     drafts at unless told (vLLM: a speculative_config's num_speculative_tokens wins). eaglelab-only settings (a
     window) have no place there: `eaglelab.export.save_speculators` refuses them."""
+    if cfg.layer not in SPECULATORS_LAYERS:
+        layers = " and ".join(SPECULATORS_LAYERS)
+        raise ValueError(f"drafter.layer={cfg.layer}: speculators' format has {layers} layers")
     vllm = cfg.to_vllm_config()
     layer = {
         k: vllm[k]

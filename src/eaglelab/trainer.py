@@ -290,7 +290,9 @@ def init_layers_from_target(drafter: Eagle3Drafter, layers: list[dict[str, torch
             if name not in names:
                 continue
             weight = source[names[name]]
-            if layer.first and name in {f"self_attn.{p}_proj.weight" for p in "qkv"}:
+            # (the projections that read the layer's input: Llama's q/k/v, the latent attention's q and kv latents)
+            inputs = ("q_proj", "k_proj", "v_proj", "q_a_proj", "kv_a_proj_with_mqa")
+            if layer.first and name in {f"self_attn.{p}.weight" for p in inputs}:
                 weight = torch.cat([weight, weight], dim=1)  # [out, 2H]: embedding half, hidden half
             tensor.copy_(weight)
 

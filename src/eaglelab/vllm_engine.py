@@ -307,11 +307,15 @@ def model_config(model_dir: str) -> dict:
 
 
 def _kv_bytes_per_token(model_dir: str, dtype: str) -> int:
-    """K and V of every attention layer of one model, for one token."""
+    """K and V of every attention layer of one model, for one token (latent attention: its latent and shared RoPE
+    key, one vector a layer)."""
     c = model_config(model_dir)
+    size = 4 if dtype == "float32" else 2
+    if c.get("kv_lora_rank"):
+        return c["num_hidden_layers"] * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * size
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     kv_heads = c.get("num_key_value_heads") or c["num_attention_heads"]
-    return c["num_hidden_layers"] * 2 * kv_heads * head_dim * (4 if dtype == "float32" else 2)
+    return c["num_hidden_layers"] * 2 * kv_heads * head_dim * size
 
 
 def cpu_kv_cache_bytes(job: dict, k: int | None, captured_layers: int = 0) -> int:
