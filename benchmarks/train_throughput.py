@@ -5,6 +5,7 @@ vLLM's `speculators` on the same shapes, data and machine, in the same run.
                                           [--steps 20] [--repeats 5] [--json PATH]
     python benchmarks/train_throughput.py --trainers eaglelab,speculators --loss kl --configs smollm2-8k,8b-64
     python benchmarks/train_throughput.py --profile smollm2-8k:bf16   # operator table of one config
+    python benchmarks/train_throughput.py --configs smollm2-8k --layer llama,qwen3,mla   # eaglelab's drafter layers
 
 Each (trainer, config, precision) runs in a fresh process (clean peak RSS) on one synthetic sequence per step whose
 every position drafts (prompt length 1); a trained position = one sequence position through all ttt_steps (3).
@@ -97,20 +98,24 @@ def gemm_flops(dtype, n: int = 2048, repeats: int = 5) -> float:
 
 
 def one(
-    name: str, precision: str, steps: int, repeats: int, profile: bool = False, loss: str = "ce", frozen: bool = False
-) -> dict:
+    name: str, precision: str, steps: int, repeats: int, profile: bool = False, loss: str = "ce", frozen: bool = False,
+    layer: str = "llama",
+) -> dict:  # fmt: skip
+    from types import SimpleNamespace
+
     import torch
 
     from eaglelab.batches import Batch
     from eaglelab.config import TrainConfig
     from eaglelab.devices import keep_freed_memory
-    from eaglelab.drafter import Eagle3Config
+    from eaglelab.drafter import Eagle3Config, mla_shape
     from eaglelab.training import DrafterModule, adamw
 
     c = CONFIGS[name]
     torch.manual_seed(0)
     keep_freed_memory()  # as eaglelab's trainer does on a CPU
     L = c["layers"]
+    target = SimpleNamespace(hidden_size=c["hidden"], num_attention_heads=c["heads"])
     cfg = Eagle3Config(
         hidden_size=c["hidden"],
         intermediate_size=c["inter"],
@@ -123,6 +128,8 @@ def one(
         aux_layer_ids=(2, L // 2, L - 3) if L > 4 else (1, 2, 3),
         fc_norm=True,
         norm_output=True,
+        layer=layer,  # (mla: its latent shape sized from the target's head_dim, as on a target without one)
+        **(mla_shape(target) if layer == "mla" else {}),
     )
     train_cfg = TrainConfig(  # (the precision Lightning would train in: it picks the optimizer, `adamw`)
         ttt_steps=3,
@@ -275,7 +282,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json")
     ap.add_argument("--gemm-size", type=int, default=2048, help="side of the square GEMM that sets the roofline")
-    ap.add_argument("--one", help=argparse.SUPPRESS)  # TRAINER:CONFIG:PRECISION, in a fresh process
+    ap.add_argument("--layer", default="llama", help="eaglelab's drafter layers (drafter.layer): llama,qwen3,mla")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # TRAINER:CONFIG:PRECISION[:LAYER], in a fresh process
     ap.add_argument("--frozen-head", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--profile", metavar="CONFIG:PREC", help="print a torch.profiler table for one config")
     args = ap.parse_args()
@@ -287,12 +295,14 @@ def main():
         print(json.dumps(one(name, precision, args.steps, args.repeats, profile=True, loss=args.loss)))
         return
     if args.one:
-        trainer, name, precision = args.one.split(":")
+        trainer, name, precision, layer = (args.one.split(":") + ["llama"])[:4]
         row = (
             speculators_one(name, precision, args.steps, args.repeats, args.loss)
             if trainer == "speculators"
-            else one(name, precision, args.steps, args.repeats, loss=args.loss, frozen=args.frozen_head)
+            else one(name, precision, args.steps, args.repeats, loss=args.loss, frozen=args.frozen_head, layer=layer)
         )
+        if layer != "llama":
+            row["config"] = f"{row['config']}/{layer}"
         print(json.dumps({"trainer": trainer, **row}))
         return
     import torch
@@ -306,10 +316,10 @@ def main():
     rows = []
     for name in args.configs.split(","):
         steps = args.steps if name == "peer" else max(args.steps // 10, 2)
-        for precision in precisions:
-            for trainer in trainers:
+        for precision, layer in ((p, la) for p in precisions for la in args.layer.split(",")):
+            for trainer in trainers if layer == "llama" else ["eaglelab"]:  # (speculators: its Llama layer)
                 out = subprocess.run(
-                    [sys.executable, __file__, "--one", f"{trainer}:{name}:{precision}", "--steps", str(steps),
+                    [sys.executable, __file__, "--one", f"{trainer}:{name}:{precision}:{layer}", "--steps", str(steps),
                      "--repeats", str(args.repeats), "--loss", args.loss, *frozen],
                     capture_output=True, text=True,
                 )  # fmt: skip
