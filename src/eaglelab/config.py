@@ -557,6 +557,11 @@ class RunConfig:
     objective: list[str] = field(default_factory=lambda: ["val/acceptance_length@k${train.ttt_steps}"])
     run_dir: str | None = None  # set by the entry point (Hydra's output dir)
 
+    @property
+    def label(self) -> str:
+        """What the figures call the run: its variant, and its drafter layer where it is not Llama's."""
+        return self.variant if self.drafter.layer == "llama" else f"{self.variant}, {self.drafter.layer} layer"
+
     def __post_init__(self):
         if not self.objective:
             raise ConfigError("objective must name at least one metric, e.g. objective=[val/acceptance_length@k3]")

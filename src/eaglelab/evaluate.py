@@ -589,5 +589,5 @@ def evaluate_held_out_in_vllm(
         write_csv(run_dir / "sampling.csv", report.sampling)
     metrics.update(report.metrics)
     if report.throughput:
-        plot_speedup(run_dir, f"{cfg.variant} (seed {cfg.train.seed})")
+        plot_speedup(run_dir, f"{cfg.label} (seed {cfg.train.seed})")
     return by_k, report.parity

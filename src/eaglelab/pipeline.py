@@ -274,7 +274,7 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
             by_k, parity = evaluate_held_out_in_vllm(
                 cfg, run_dir, drafter, serving, data.held_out, engine["held_out"], by_k, by_pos, metrics
             )
-    plot_acceptance(run_dir, f"{cfg.variant} (seed {cfg.train.seed})")
+    plot_acceptance(run_dir, f"{cfg.label} (seed {cfg.train.seed})")
     # 6. Suites: extrapolation, drift, long context, templates.
     with timer("suites"), drafter_kept(run_dir):
         metrics.update(

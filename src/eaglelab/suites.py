@@ -206,7 +206,7 @@ def long_context_speed(cfg: RunConfig, out_dir: Path, passes: list[dict]) -> dic
     rows = throughput_rows(passes)
     write_csv(out_dir / "long_context_throughput.csv", rows)
     write_csv(out_dir / "long_context_throughput_passes.csv", passes)
-    plot_long_context_speed(out_dir, cfg.variant)
+    plot_long_context_speed(out_dir, cfg.label)
     metrics = {}
     for r in rows:
         at = f"{r['group']}@k{r['k']}@c{r['concurrency']}"
@@ -272,7 +272,7 @@ def evaluate_suites(
         for row in per_depth:
             metrics.update({f"drift/{m}@d{row['depth']}": v for m, v in row.items() if m not in ("depth", "drafts")})
         metrics.update({f"drift/fc_input_share@layer{r['aux_layer']}": r["input_share"] for r in balance})
-        plot_drift(out_dir, cfg.variant)
+        plot_drift(out_dir, cfg.label)
     if s.extrapolation.enabled:
         ttt = cfg.train.ttt_steps
         rows = []
@@ -294,7 +294,7 @@ def evaluate_suites(
                 metrics[f"extrapolation/{evaluator}/tau_ratio@k{2 * ttt}_vs_k{ttt}"] = tau[2 * ttt] / tau[ttt]
         write_csv(out_dir / "extrapolation.csv", rows)
         if rows:
-            plot_extrapolation(run_dir, out_dir, cfg.variant)
+            plot_extrapolation(run_dir, out_dir, cfg.label)
 
     if not (inputs.long_context or inputs.templates):
         return metrics
@@ -331,7 +331,7 @@ def evaluate_suites(
             metrics[f"{suite}/{r['evaluator']}/acceptance_length@{at}"] = r["acceptance_length"]
             if "ratio_to_native" in r:
                 metrics[f"{suite}/{r['evaluator']}/ratio_to_native@{at}"] = r["ratio_to_native"]
-        plot_suite(out_dir, suite, cfg.variant)
+        plot_suite(out_dir, suite, cfg.label)
     write_csv(out_dir / "per_prompt.csv", per_prompt)
     write_csv(out_dir / "per_prompt_depth.csv", per_prompt_depth)
     if vllm_rows:
