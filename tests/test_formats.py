@@ -17,8 +17,8 @@ from eaglelab.speculators_format import from_speculators_config, to_speculators_
 def _verifier(folder):
     """A target's config.json, all a converter and a speculators export read of the verifier."""
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                                                    "vocab_size": 50, "num_hidden_layers": 8}))  # fmt: skip
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 50, "hidden_size": 48}
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 8}))
     return folder
 
 
@@ -83,6 +83,9 @@ def test_speculators_converter_output_that_lost_its_fc_norm_is_refused_naming_th
         load_drafter(tmp_path / "fc3-spec", torch.zeros(50, 64))
     whole = load_drafter(tmp_path / "fc3-spec", torch.zeros(50, 64), shape)
     assert not whole.cfg.fc_norm and whole.cfg.aux_layer_ids == (2, 4, 5)  # vLLM's default ids of an 8-layer target
+    # the export CLI reads the target's shape (its default ids) from --verifier
+    assert main([str(tmp_path / "fc3-spec"), str(tmp_path / "back"), "--verifier", str(target)]) == 0
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
 
 
 def test_an_mla_drafter_has_no_speculators_form(tmp_path):

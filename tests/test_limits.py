@@ -132,8 +132,10 @@ def test_a_run_too_large_for_memory_is_refused_before_any_work(cache_dir, tmp_pa
     assert_nothing_looks_complete(tmp_path)
 
 
-@pytest.mark.parametrize("T,checkpointing", [(96, False), (512, False), (512, True)])
-def test_the_training_estimate_counts_what_autograd_keeps(T, checkpointing):
+@pytest.mark.parametrize(
+    "T,checkpointing,layer", [(96, False, "llama"), (512, False, "llama"), (512, True, "llama"), (512, False, "mla")]
+)
+def test_the_training_estimate_counts_what_autograd_keeps(T, checkpointing, layer):
     """`ttt_kept_bytes` against the bytes autograd really saves for backward over one TTT batch (every saved
     tensor's storage, counted once), on the smoke drafter's shape: the terms are the code's, not a fit. At two
     lengths, so a term growing with T² (attention probabilities, which the fused kernel no longer keeps) would
@@ -151,7 +153,8 @@ def test_the_training_estimate_counts_what_autograd_keeps(T, checkpointing):
         vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=2,
         num_key_value_heads=1, head_dim=64,
     )  # fmt: skip
-    d = Eagle3Config.for_target(DrafterFlags(), shape, aux_layer_ids=[2, 4, 5], draft_vocab_size=1024, max_context=512)
+    flags = DrafterFlags(layer=layer)  # (mla: its latent shape from the target's head_dim, counted as plain attention)
+    d = Eagle3Config.for_target(flags, shape, aux_layer_ids=[2, 4, 5], draft_vocab_size=1024, max_context=512)
     B, steps, prompt = 3, 4, 1  # prompt of 1 token: every position drafts (the estimate's bound)
     train = TrainConfig(ttt_steps=steps, activation_checkpointing=checkpointing)
     module = DrafterModule(d, train, target_head=torch.randn(1024, 128))
@@ -180,6 +183,9 @@ def test_the_training_estimate_counts_what_autograd_keeps(T, checkpointing):
         expected = estimate - max(layer_step_bytes(B, T, steps, d, 2, 4))
     else:
         expected = estimate + 2 * _trainable_parameters(d)  # autocast's bf16 copies of the weights, saved too
+    if layer == "mla":  # counted as plain attention at the keys' width, the latents' activations left out
+        assert abs(sum(saved.values()) - expected) < 0.05 * expected, (sum(saved.values()), expected)
+        return
     assert abs(sum(saved.values()) - expected) < 0.02 * expected, (sum(saved.values()), expected)
 
 

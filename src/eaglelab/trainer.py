@@ -283,8 +283,9 @@ def init_layers_from_target(drafter: Eagle3Drafter, layers: list[dict[str, torch
         names = {n: s for n, s in names.items() if s in source or s.split(".")[-2] not in ("q_norm", "k_norm")}
         if missing := sorted(set(names.values()) - source.keys()):
             raise EaglelabError(
-                f"drafter.init_layers_from_target: the target's layer has no {', '.join(missing)} (not a Llama-style "
-                "layer); set drafter.init_layers_from_target=false"
+                f"drafter.init_layers_from_target: the target's layer has no {', '.join(missing)} (the drafter's "
+                f"drafter.layer={drafter.cfg.layer} is not the target's kind of layer); set "
+                "drafter.init_layers_from_target=false"
             )
         for name, tensor in own.items():
             if name not in names:
