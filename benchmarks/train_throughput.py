@@ -337,7 +337,7 @@ def main():
         + (", lm_head frozen (speculators never trains it)" if frozen else "")
     )
     print(
-        f"{'trainer':<13}{'config':<13}{'prec':<6}{'positions/s':>12}{'vs speculators':>16}{'GFLOP/s':>9}"
+        f"{'trainer':<13}{'config':<20}{'prec':<6}{'positions/s':>12}{'vs speculators':>16}{'GFLOP/s':>9}"
         f"{'of roof':>9}{'of same-dtype':>15}{'peak RSS MB':>13}"
     )
     peer = {(r["config"], r["precision"]): r["positions_per_s"] for r in rows if r["trainer"] == "speculators"}
@@ -345,7 +345,7 @@ def main():
         same, key = roof[r["precision"]], (r["config"], r["precision"])
         ratio = f"{r['positions_per_s'] / peer[key]:.2f}x" if key in peer and r["trainer"] != "speculators" else ""
         print(
-            f"{r['trainer']:<13}{r['config']:<13}{r['precision']:<6}{r['positions_per_s']:>12.0f}{ratio:>16}"
+            f"{r['trainer']:<13}{r['config']:<20}{r['precision']:<6}{r['positions_per_s']:>12.0f}{ratio:>16}"
             f"{r['achieved_flops'] / 1e9:>9.1f}{r['achieved_flops'] / best_roof:>9.1%}"
             f"{r['achieved_flops'] / same:>15.1%}{r['peak_rss_mb']:>13.0f}"
         )
