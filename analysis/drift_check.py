@@ -80,7 +80,7 @@ class PlainDrafter:
         self.window, self.sink = extra.get("attention_window"), extra.get("attention_sink_tokens", 4)
         self.n_aux = len(self.c["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
         # Qwen3's layer (vLLM's qwen3_eagle3.py): each head's q and k RMS-normed before RoPE
-        self.qk_norm = self.c["architectures"][0] in ("Eagle3Qwen3ForCausalLM", "PeagleQwen3ForCausalLM")
+        self.qk_norm = self.c["architectures"][0] == "Eagle3Qwen3ForCausalLM"
         # DeepSeek's latent attention (vLLM's deepseek_eagle3.py): every head has its keys and values of its own
         self.mla = self.c["architectures"][0] in ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
         if self.mla:

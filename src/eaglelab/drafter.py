@@ -44,7 +44,8 @@ from torch.utils.checkpoint import checkpoint
 
 # The decoder layer families (`drafter.layer`): the architecture name an export carries (vLLM's registry maps it
 # to the model class that serves it) and its config.json model_type. Other names vLLM's registry maps to the same
-# class are read as that layer.
+# class are read as that layer; PEagle's (Peagle*, PEagleDraftModel) are not: vLLM drafts those in parallel, with
+# mask tokens, not as EAGLE-3 chains.
 LAYERS = {
     "llama": ("LlamaForCausalLMEagle3", "llama"),  # vllm/model_executor/models/llama_eagle3.py
     "qwen3": ("Eagle3Qwen3ForCausalLM", "qwen3"),  # vllm/model_executor/models/qwen3_eagle3.py
@@ -55,9 +56,6 @@ LAYERS = {
 READ_AS = {
     **{arch: layer for layer, (arch, _) in LAYERS.items()},
     "Eagle3LlamaForCausalLM": "llama",
-    "PEagleDraftModel": "llama",
-    "PeagleLlamaForCausalLM": "llama",
-    "PeagleQwen3ForCausalLM": "qwen3",
     "Eagle3DeepseekV3ForCausalLM": "mla",
 }
 # The latent attention's shape (drafter.layer=mla), in config.json as DeepSeek's configs name it.
