@@ -135,6 +135,25 @@ def mla_shape(target_config) -> dict:
             "qk_rope_head_dim": d // 2 // 2 * 2, "v_head_dim": d}  # fmt: skip
 
 
+def layer_shape(hf_config) -> dict:
+    """A decoder layer's shape as a Hugging Face config gives it (a target's, or a speculators drafter's
+    transformer_layer_config): hidden and MLP sizes, heads, vocabulary, norm epsilon and RoPE base."""
+    tc, heads = hf_config, hf_config.num_attention_heads
+    rope_theta = getattr(tc, "rope_theta", None) or (getattr(tc, "rope_parameters", None) or {}).get(
+        "rope_theta", 10000.0
+    )
+    return {
+        "hidden_size": tc.hidden_size,
+        "intermediate_size": tc.intermediate_size,
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(tc, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+        "vocab_size": tc.vocab_size,
+        "rms_norm_eps": tc.rms_norm_eps,
+        "rope_theta": float(rope_theta),
+    }
+
+
 @dataclass(kw_only=True)
 class Eagle3Config(DrafterFlags):
     """Everything that determines the drafter (maps 1:1 to vLLM's config.json): the design flags plus the
@@ -194,23 +213,13 @@ class Eagle3Config(DrafterFlags):
         cls, flags: DrafterFlags, target_config, *, aux_layer_ids, draft_vocab_size: int, max_context: int
     ) -> Eagle3Config:
         """The design flags of `flags` on the shape of a Hugging Face target config (`target_config`)."""
-        tc, heads = target_config, target_config.num_attention_heads
-        rope_theta = getattr(tc, "rope_theta", None) or (getattr(tc, "rope_parameters", None) or {}).get(
-            "rope_theta", 10000.0
-        )
+        tc = target_config
         return cls(
             **{f.name: getattr(flags, f.name) for f in fields(DrafterFlags)},
-            hidden_size=tc.hidden_size,
-            intermediate_size=tc.intermediate_size,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(tc, "num_key_value_heads", heads) or heads,
-            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
-            vocab_size=tc.vocab_size,
+            **layer_shape(tc),
             draft_vocab_size=draft_vocab_size,
             target_hidden_size=tc.hidden_size,
             aux_layer_ids=tuple(aux_layer_ids),
-            rms_norm_eps=tc.rms_norm_eps,
-            rope_theta=float(rope_theta),
             max_position_embeddings=max_context,
             target_num_layers=tc.num_hidden_layers,
             **(mla_shape(tc) if flags.layer == "mla" else {}),

@@ -31,6 +31,7 @@ from eaglelab.speculators_format import (
     to_speculators_config,
 )
 from eaglelab.targets import default_aux_layer_ids
+from eaglelab.vllm_engine import model_config
 
 # The folder of each export format in a run directory (eval.vllm.drafter_format: the one vLLM serves).
 FORMAT_DIRS = {"eagle3": "drafter", "speculators": "drafter_speculators"}
@@ -244,8 +245,7 @@ def _target_shape(verifier: str | None) -> TargetShape | None:
     config = Path(verifier) / "config.json" if verifier else None
     if config is None or not config.is_file():
         return None
-    c = json.loads(config.read_text())
-    c = {**c.get("text_config", {}), **c}
+    c = model_config(verifier)
     if not all(k in c for k in ("hidden_size", "vocab_size", "num_hidden_layers")):
         return None
     return TargetShape(c["hidden_size"], c["vocab_size"], c["num_hidden_layers"])

@@ -18,7 +18,7 @@ own (`layers.{i}.*`, never `midlayer.*`; `fc_norm.{i}`, `input_norm`, `norm`, `l
 
 from __future__ import annotations
 
-from eaglelab.drafter import Eagle3Config, _boolean_flags
+from eaglelab.drafter import Eagle3Config, _boolean_flags, layer_shape
 
 # What vLLM's update_eagle3 reads a missing flag as.
 MISSING_FLAG = {"norm_before_residual": True}
@@ -54,21 +54,13 @@ def from_speculators_config(cfg: dict, default_aux: list[int] | None) -> Eagle3C
     rope = getattr(tc, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default":
         raise ValueError(f"transformer_layer_config's RoPE is {rope.get('rope_type')}: eaglelab's drafter is unscaled")
-    heads = tc.num_attention_heads
     return Eagle3Config(
-        hidden_size=tc.hidden_size,
-        intermediate_size=tc.intermediate_size,
-        num_attention_heads=heads,
-        num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
-        head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
-        vocab_size=tc.vocab_size,
+        **layer_shape(tc),
         draft_vocab_size=cfg.get("draft_vocab_size") or tc.vocab_size,
         target_hidden_size=cfg.get("target_hidden_size") or tc.hidden_size,
         aux_layer_ids=tuple(aux),
         num_layers=tc.num_hidden_layers,
         layer=model_type,
-        rms_norm_eps=tc.rms_norm_eps,
-        rope_theta=float(rope.get("rope_theta", getattr(tc, "rope_theta", 10000.0))),
         max_position_embeddings=tc.max_position_embeddings,
         **{name: bool(cfg.get(name, MISSING_FLAG.get(name, False))) for name in _boolean_flags()},
     )
