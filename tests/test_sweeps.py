@@ -283,6 +283,7 @@ def test_processes_share_one_study_and_a_killed_trial_is_redone(cache_dir, tmp_p
         (["train.loss=ce,mse"], "sweep parameter 'train.loss': Error merging override train.loss=mse"),
         (["train.seed=0,1", "eval.suites.templates.conditions=[native,klingon]"], "klingon"),  # the suites' checks
         (["train.seed=0,1", "drafter.aux_layer_ids=[5,2]"], "must be sorted and unique"),
+        (["+sweep=optuna_search", "eval.job.enabled=true"], "an Optuna sweep reads every trial's objective"),
     ],
 )
 def test_sweep_mistakes_fail_before_anything_runs(args, message, cache_dir, tmp_path):

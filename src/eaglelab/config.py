@@ -500,6 +500,28 @@ class SuitesConfig:
 
 
 @dataclass
+class EvalJobConfig:
+    """The evaluation in a Slurm job of its own (eaglelab.evaluation_job): the trial trains and exports, then submits
+    its run again with these resources and time limit, which evaluates it in the same run directory. Its tasks and
+    nodes are the trial's (every rank takes a share of the vLLM engines, eaglelab.spread)."""
+
+    enabled: bool = False  # the one setting; false: the trial evaluates in its own job
+    partition: str | None = None  # null: the cluster's default
+    account: str | None = None
+    qos: str | None = None
+    timeout_min: int = 240
+    # null: one a rank, or the evaluation engine's tensor_parallel_size where more (none where train.accelerator=cpu)
+    gpus_per_node: int | None = None
+    cpus_per_task: int = 8
+    mem_gb: int = 64
+    setup: list[str] = field(default_factory=list)  # shell lines before the job, e.g. ["module load cuda"]
+
+    def __post_init__(self):
+        _positive("eval.job", timeout_min=self.timeout_min, cpus_per_task=self.cpus_per_task, mem_gb=self.mem_gb)
+        _non_negative("eval.job", gpus_per_node=self.gpus_per_node or 0)
+
+
+@dataclass
 class EvalConfig:
     prompts: str = "humaneval"  # humaneval | a data source string as in DataConfig.sources
     num_prompts: int | None = None  # None: all (164 for HumanEval)
@@ -511,6 +533,7 @@ class EvalConfig:
     temperature: list[float] = field(default_factory=lambda: [0.0])
     vllm: VllmEvalConfig = field(default_factory=VllmEvalConfig)
     suites: SuitesConfig = field(default_factory=SuitesConfig)
+    job: EvalJobConfig = field(default_factory=EvalJobConfig)
 
     def __post_init__(self):
         _positive("eval", num_prompts=self.num_prompts, max_new_tokens=self.max_new_tokens, max_k=self.max_k)

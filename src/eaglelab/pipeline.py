@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from eaglelab import preemption
+from eaglelab import evaluation_job, preemption
 from eaglelab.batches import OnlineStates
 from eaglelab.config import TARGET_IN_TRAINING, RunConfig, max_k
 from eaglelab.data.stage import (
@@ -92,7 +92,8 @@ def run_as_primary(cfg: RunConfig, run_dir: Path) -> Path:
     try:
         with last_words(ended):
             metrics = execute(cfg, run_dir, record)
-        if cfg.logger.kind == "wandb" and cfg.stage == "all":  # (a prepare-only run has no results to show)
+        handed_off = record.evaluation_job is not None  # (its evaluation job logs the results)
+        if cfg.logger.kind == "wandb" and cfg.stage == "all" and not handed_off:  # (a prepare run has none)
             from eaglelab.tracking import log_results_of
 
             log_results_of(cfg, run_dir, metrics, record)
@@ -126,6 +127,7 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     check_suites(cfg)  # bad settings fail before any work
+    evaluation_job.check(cfg)  # (a hand-off needs Slurm, and the partition it names)
     writable_folder(Path(os.path.expanduser(cfg.paths.cache_dir)), "paths.cache_dir (or EAGLELAB_CACHE_DIR)")
     use_vllm = vllm_wanted(cfg)
     regen = regen_backend(cfg)
@@ -245,6 +247,12 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
             if cfg.eval.vllm.drafter_format == "speculators":  # its verifier: the target as vLLM serves it
                 speculators_dir = run_dir / FORMAT_DIRS["speculators"]
                 save_speculators(drafter, speculators_dir, str(serving.path), cfg.train.ttt_steps)
+    if cfg.eval.job.enabled and cfg.checkpoint is None:  # the evaluation in a job of its own; this one ends here
+        if primary:
+            metrics.update({f"time/{k}_s": v for k, v in timer.seconds.items()})
+            metrics["time/training_job_s"] = time.time() - record.started
+            record.evaluation_job = evaluation_job.hand_off(cfg, run_dir, metrics)
+        return {}
     if use_vllm:
         barrier()  # the other ranks' engines read it once it is whole
     elif not primary:
@@ -289,7 +297,7 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
     timer.seconds["total"] = time.time() - record.started
     metrics.update({f"time/{k}_s": v for k, v in timer.seconds.items()})
     metrics.update(measured_peaks(memory.device))
-    return metrics
+    return evaluation_job.with_training_metrics(run_dir, metrics)  # (an evaluation job: its training job's figures)
 
 
 @contextlib.contextmanager

@@ -11,7 +11,10 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import os
 import platform
+import shutil
+import subprocess
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -29,9 +32,15 @@ log = logging.getLogger("eaglelab")
 
 # Settings that may change between attempts of one run: where results go, how they are logged, what a sweeper
 # reads from them (a sweep relaunched elsewhere, W&B turned on), the variant's label (derived from the drafter
-# flags, which are compared themselves; older runs stored it as typed), and how long the vLLM engine may take (the
-# timeout error's fix is to raise eval.vllm.timeout_s and run the same command again).
-NOT_IDENTITY = ("paths.", "logger.", "run_dir", "objective", "variant", "eval.vllm.timeout_s")
+# flags, which are compared themselves; older runs stored it as typed), how long the vLLM engine may take (the
+# timeout error's fix is to raise eval.vllm.timeout_s and run the same command again), and where the evaluation runs
+# (eval.job: its own Slurm job is the run's next attempt, eaglelab.evaluation_job).
+NOT_IDENTITY = ("paths.", "logger.", "run_dir", "objective", "variant", "eval.vllm.timeout_s", "eval.job.")
+
+
+# Slurm job states of a job that will still run, or runs (squeue lists finished jobs for a while too)
+QUEUED = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD",
+          "RESIZING", "SIGNALING", "STAGE_OUT"}  # fmt: skip
 
 
 @dataclass
@@ -55,6 +64,7 @@ class RunRecord:
     checkpoint: str | None = None  # evaluation only: the drafter evaluated
     evaluator: str | None = None  # simulated | simulated+vllm
     vllm_skipped: str | None = None  # why vLLM did not evaluate this drafter
+    evaluation_job: dict | None = None  # status "trained": the Slurm job evaluating it (job_id, log)
     wandb_error: str | None = None
     signal: dict | None = None  # the signal that stopped this attempt: name, stage, the write it waited for
     error: str | None = None
@@ -72,7 +82,8 @@ class RunRecord:
         )
         if previous:
             record.first_started = previous.get("first_started", previous.get("started"))
-            ended = {k: previous[k] for k in ("attempt", "status", "signal", "error") if previous.get(k) is not None}
+            keys = ("attempt", "status", "signal", "error", "evaluation_job")
+            ended = {k: previous[k] for k in keys if previous.get(k) is not None}
             record.earlier = previous.get("earlier", []) + [ended]
         return record
 
@@ -87,6 +98,10 @@ def begin_attempt(cfg: RunConfig, run_dir: Path) -> RunRecord | None:
     if previous.get("status") == "complete":
         log.info("%s is complete: not run again", run_dir)
         return None
+    job = previous.get("evaluation_job") if previous.get("status") == "trained" else None
+    if job and job["job_id"] != os.environ.get("SLURM_JOB_ID") and still_queued(job):  # (a relaunched sweep)
+        log.info("%s is trained and its evaluation job %s is queued or running: not run again", run_dir, job["job_id"])
+        return None
     record = RunRecord.start(cfg, previous)
     if previous:
         log.info("%s: resuming (attempt %d, after %s)", run_dir, record.attempt, previous.get("status"))
@@ -97,8 +112,13 @@ def begin_attempt(cfg: RunConfig, run_dir: Path) -> RunRecord | None:
 def end_attempt(
     run_dir: Path, record: RunRecord, metrics: dict | None = None, error: BaseException | None = None
 ) -> None:
-    """Complete (metrics.json written last: it marks completion), interrupted or failed."""
+    """Complete (metrics.json written last: it marks completion), trained (its evaluation handed to a job of its own:
+    no metrics.json yet), interrupted or failed."""
     record.finished = time.time()
+    if error is None and record.evaluation_job is not None:
+        record.status = "trained"
+        record.write(run_dir)
+        return
     if error is None:
         record.status = "complete"
         record.write(run_dir)
@@ -197,3 +217,11 @@ def merge_logs(logs: Path) -> None:
         resumed_at = min(later, default=None)
         merged += [r for r in table if resumed_at is None or int(r["step"]) < resumed_at]
     write_csv(logs / "metrics.csv", merged)
+
+
+def still_queued(job: dict | None) -> bool:
+    """Whether the evaluation job run.json names is pending or running (a relaunched sweep does not submit a second)."""
+    if not job or shutil.which("squeue") is None:
+        return False
+    proc = subprocess.run(["squeue", "-h", "-j", job["job_id"], "-o", "%T"], capture_output=True, text=True)
+    return proc.returncode == 0 and bool(set(proc.stdout.split()) & QUEUED)

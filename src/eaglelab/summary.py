@@ -35,6 +35,25 @@ def has_results(run_dir: Path) -> bool:
     return path.is_file() and any(k.startswith("acceptance_length@k") for k in json.loads(path.read_text()))
 
 
+def _status(run_dir: Path) -> str:
+    try:
+        return json.loads((run_dir / "run.json").read_text()).get("status", "?")
+    except (OSError, ValueError):
+        return "no readable run.json"
+
+
+def handed_off(run_dir: Path) -> str | None:
+    """A trained trial whose evaluation runs in a Slurm job of its own (eval.job): which, and where its log is."""
+    try:
+        record = json.loads((Path(run_dir) / "run.json").read_text())
+    except (OSError, ValueError):
+        return None
+    job = record.get("evaluation_job") if record.get("status") == "trained" else None
+    if job is None:
+        return None
+    return f"trained; evaluated by Slurm job {job['job_id']} (log: {job['log']}), metrics.json when it ends"
+
+
 def _minutes(seconds: float | None) -> str:
     if seconds is None or not math.isfinite(seconds):
         return "?"
@@ -134,11 +153,7 @@ def sweep_summary(run_dirs: list[Path]) -> list[str]:
         try:
             metrics, record, config = _load(run_dir)
         except (OSError, ValueError):
-            try:
-                status = json.loads((run_dir / "run.json").read_text()).get("status", "?")
-            except (OSError, ValueError):
-                status = "no readable run.json"
-            lines.append(f"  {run_dir.name}: not finished ({status})")
+            lines.append(f"  {run_dir.name}: {handed_off(run_dir) or f'not finished ({_status(run_dir)})'}")
             continue
         ttt = _trained_depth(config, record)
         made = metrics.get("data/shards_prepared")

@@ -20,8 +20,6 @@ import datetime
 import json
 import logging
 import os
-import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -31,6 +29,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from eaglelab.errors import ConfigError
+from eaglelab.evaluation_job import slurm_partitions
 from eaglelab.io import writable_folder
 
 log = logging.getLogger("eaglelab.sweeps")
@@ -166,23 +165,25 @@ def check_slurm(config: DictConfig) -> None:
     launcher = OmegaConf.select(config, "hydra.launcher._target_") or ""
     if not launcher.endswith("SlurmLauncher"):
         return
-    if shutil.which("sinfo") is None:
-        _fail(
-            "hydra/launcher=slurm needs Slurm's client commands (sinfo, sbatch) on PATH; on a machine without "
-            "Slurm use hydra/launcher=local (slurm/README.md starts a throw-away cluster for testing)"
-        )
-    proc = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        _fail(
-            f"Slurm does not answer (sinfo: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else '?'})"
-            "; check SLURM_CONF or the controller"
-        )
-    partitions = [p.rstrip("*") for p in proc.stdout.split()]
+    try:
+        partitions = slurm_partitions("hydra/launcher=slurm")
+    except ConfigError as e:
+        _fail(str(e))
     wanted = OmegaConf.select(config, "hydra.launcher.partition")
     if wanted and wanted not in partitions:
         _fail(
             f"Slurm partition {wanted!r} does not exist; set hydra.launcher.partition to one of: "
             f"{', '.join(partitions) or '(none)'}"
+        )
+
+
+def check_eval_job(config: DictConfig) -> None:
+    """eval.job.enabled ends a trial before its evaluation: an optimising sweeper needs the objective then."""
+    optimising = not str(OmegaConf.select(config, "hydra.sweeper._target_") or "").endswith("BasicSweeper")
+    if OmegaConf.select(config, "eval.job.enabled") and optimising:
+        _fail(
+            "eval.job.enabled=true ends each trial before its evaluation, and an Optuna sweep reads every trial's "
+            "objective when the trial ends; evaluate inside the trials (eval.job.enabled=false)"
         )
 
 
@@ -267,6 +268,7 @@ class Preflight(Callback):
         check_writable(Path(str(config.hydra.sweep.dir)).expanduser())
         check_cache_dir(config)
         check_slurm(config)
+        check_eval_job(config)
         check_storage(config)
         check_sweep_params(config)
 

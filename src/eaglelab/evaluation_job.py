@@ -1,0 +1,172 @@
+"""A trial's evaluation in a Slurm job of its own (`eval.job.enabled=true`).
+
+A trial that trains for hours on N GPUs and then starts its vLLM engines one after another (a 70B or MoE target's
+at tensor-parallel 8) holds its training allocation through the evaluation, under one time limit for both. With
+`eval.job.enabled=true` the trial trains and exports, then submits itself again (the same run directory and
+configuration) as a Slurm job with the evaluation's own partition, time limit and memory (`eval.job`). Rank 0
+records that job in run.json (status `trained`, `evaluation_job`) and the training job ends.
+
+The evaluation job is the run's next attempt, as a requeued job is: it finds the training finished
+(lightning/last.ckpt) and the data prepared, evaluates, and writes metrics.json into the trial's own directory,
+where the sweep summary, W&B and analysis/ read it. What the training attempt measured (the data it prepared, its
+training time and memory) is kept in `trained.json` and merged into metrics.json. Submitted through submitit, as
+the Slurm launcher's trials are: a preempted or timed-out evaluation job is requeued and resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+
+from eaglelab.config import RunConfig, on_cuda
+from eaglelab.errors import ConfigError
+from eaglelab.io import atomic_write_json
+
+log = logging.getLogger("eaglelab")
+
+TRAINED = "trained.json"  # what the training attempt measured, for the evaluation's metrics.json
+# What an evaluation attempt measures again (trivially: nothing prepared, training found finished); the training
+# attempt's values stand.
+TRAINING_KEYS = ("data/", "train/", "val/", "memory/target_loaded", "memory/rank", "time/convert_s", "time/prompts_s",
+                 "time/prepare_s", "time/regenerate_s", "time/capture_s", "time/train_s", "time/export_s",
+                 "time/training_job_s")  # fmt: skip
+FOLDER = "evaluation_job"  # <run_dir>/evaluation_job/<job id>_0_log.out: its log
+
+
+def slurm_partitions(setting: str) -> list[str]:
+    """The cluster's partitions; one line naming the fix where Slurm's commands are missing or do not answer."""
+    if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
+        raise ConfigError(
+            f"{setting} needs Slurm's client commands (sinfo, sbatch) on PATH; on a machine without Slurm leave it "
+            "off (slurm/README.md starts a throw-away cluster for testing)"
+        )
+    proc = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        why = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "?"
+        raise ConfigError(f"Slurm does not answer (sinfo: {why}); check SLURM_CONF or the controller")
+    return [p.rstrip("*") for p in proc.stdout.split()]
+
+
+def check(cfg: RunConfig) -> None:
+    """Before any work: a trial that will hand its evaluation over can submit it."""
+    if not cfg.eval.job.enabled or cfg.stage != "all":
+        return
+    if cfg.checkpoint:
+        raise ConfigError(
+            "eval.job.enabled=true hands a trained trial's evaluation to a job, and checkpoint=... is an evaluation "
+            "already; submit it with `python src/run.py -m hydra/launcher=slurm checkpoint=...`"
+        )
+    partitions = slurm_partitions("eval.job.enabled=true")
+    if cfg.eval.job.partition and cfg.eval.job.partition not in partitions:
+        raise ConfigError(
+            f"Slurm partition {cfg.eval.job.partition!r} does not exist; set eval.job.partition to one of: "
+            f"{', '.join(partitions) or '(none)'}"
+        )
+
+
+def hand_off(cfg: RunConfig, run_dir: Path, metrics: dict) -> dict:
+    """Rank 0, once the drafter is exported: keep what training measured and submit the evaluation job.
+    -> run.json's `evaluation_job` (the Slurm job id and its log)."""
+    import submitit
+
+    run_dir = run_dir.resolve()
+    atomic_write_json(run_dir / TRAINED, {k: v for k, v in metrics.items() if k.startswith(TRAINING_KEYS)})
+    job_cfg = evaluation_config(cfg, run_dir)
+    from eaglelab.variants import _slurm_python  # the launcher's job command: USR2 kept from the first instant
+
+    executor = submitit.SlurmExecutor(folder=run_dir / FOLDER / "%j", max_num_timeout=20, python=_slurm_python())
+    executor.update_parameters(**slurm_parameters(cfg, run_dir))
+    job = executor.submit(EvaluationJob(job_cfg, scratch_from_env=cfg.paths.scratch_dir == _default_scratch()))
+    log.info("evaluation handed to Slurm job %s (log: %s); metrics.json appears when it ends", job.job_id,
+             job.paths.stdout)  # fmt: skip
+    return {"job_id": str(job.job_id), "log": str(job.paths.stdout)}
+
+
+def evaluation_config(cfg: RunConfig, run_dir: Path) -> RunConfig:
+    """The trial's own configuration, evaluated in place (not handed over again), its folders absolute (the job
+    may start elsewhere)."""
+    absolute = lambda p: str(Path(p).expanduser().resolve())  # noqa: E731
+    paths = replace(cfg.paths, cache_dir=absolute(cfg.paths.cache_dir), results_dir=absolute(cfg.paths.results_dir))
+    evaluation = replace(cfg.eval, job=replace(cfg.eval.job, enabled=False))
+    return replace(cfg, eval=evaluation, paths=paths, run_dir=str(run_dir))
+
+
+def slurm_parameters(cfg: RunConfig, run_dir: Path) -> dict:
+    """sbatch's settings: eval.job's resources on the trial's tasks (every rank evaluates a share)."""
+    job, t = cfg.eval.job, cfg.train
+    gpus = job.gpus_per_node
+    if gpus is None and on_cuda(t.accelerator):
+        gpus = max(t.devices, cfg.eval.vllm.tensor_parallel_size)
+    chosen = {"partition": job.partition, "account": job.account, "qos": job.qos, "gpus_per_node": gpus or None}
+    return {
+        "job_name": f"eval_{run_dir.name}",
+        "time": job.timeout_min,
+        "nodes": t.num_nodes,
+        "ntasks_per_node": t.devices,
+        "cpus_per_task": job.cpus_per_task,
+        "mem": f"{job.mem_gb}GB",
+        "setup": list(job.setup),
+        "signal_delay_s": 120,  # USR2 this long before the time limit: submitit requeues, the next attempt resumes
+        "srun_args": ["--kill-on-bad-exit=1"],
+        **{k: v for k, v in chosen.items() if v is not None},
+    }
+
+
+def _default_scratch() -> str:
+    return os.environ.get("TMPDIR", "/tmp")
+
+
+class EvaluationJob:
+    """What the evaluation job runs, in each of its tasks: the trial's run, resumed. submitit calls `checkpoint` on
+    a time limit's or a preemption's USR2 and requeues the job with what it returns."""
+
+    def __init__(self, cfg: RunConfig, scratch_from_env: bool):
+        self.cfg, self.scratch_from_env = cfg, scratch_from_env
+
+    def __call__(self) -> str:
+        from eaglelab import preemption
+        from eaglelab.pipeline import run
+        from eaglelab.ranks import is_primary
+        from eaglelab.summary import run_summary
+
+        cfg = self.cfg
+        if self.scratch_from_env:  # the node-local scratch of this job's node, not the training job's
+            cfg = replace(cfg, paths=replace(cfg.paths, scratch_dir=_default_scratch()))
+        _log_to(Path(cfg.run_dir))
+        preemption.install()
+        run_dir = run(cfg)
+        if is_primary():
+            print("\n".join(run_summary(run_dir)), flush=True)
+        return str(run_dir)
+
+    def checkpoint(self):
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(self)
+
+
+def _log_to(run_dir: Path) -> None:
+    """eaglelab's lines to the job's log and to the run's run.log, as a Hydra run has them."""
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    fmt = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
+    for handler in (logging.StreamHandler(), logging.FileHandler(run_dir / "run.log")):
+        handler.setFormatter(logging.Formatter(fmt))
+        root.addHandler(handler)
+
+
+def with_training_metrics(run_dir: Path, metrics: dict) -> dict:
+    """An evaluation job's metrics.json: what its training attempt measured stands for the data, training and its
+    time (this attempt found them done), and the run's total time is both jobs'. Unchanged where the trial evaluated
+    in its own job."""
+    path = run_dir / TRAINED
+    if not path.is_file():
+        return metrics
+    trained = json.loads(path.read_text())
+    total = metrics.get("time/total_s", 0.0) + trained.get("time/training_job_s", 0.0)
+    return {**metrics, **trained, "time/total_s": total}
