@@ -98,3 +98,10 @@ def test_stream_benchmark_at_its_smallest(tmp_path):
     assert row["engine_tokens_per_s"] > 0 and row["trainer_positions_per_s"] > 0
     assert row["cache_bytes_written"] == 0 and 0 < row["store_peak_bytes"] <= row["store_bytes"]
     assert "bottleneck:" in proc.stdout
+
+
+def test_source_memory_at_its_smallest(tmp_path):
+    """The prompt side's host memory for a streamed JSONL source (benchmarks/source_memory.py), at 300 conversations."""
+    proc = bench("source_memory.py", "--conversations", "300", "--cache", tmp_path)
+    (row,) = [line.split() for line in proc.stdout.splitlines()[1:]]
+    assert row[0] == "300" and int(row[2].replace(",", "")) > 300 and float(row[3]) >= 0

@@ -223,3 +223,26 @@ def test_capture_backend_auto_is_vllm_where_vllm_regenerates_on_cuda():
     assert resolve_capture_backend("auto", "vllm", cuda=False) == "hf"  # measured faster on a CPU (docs)
     assert resolve_capture_backend("auto", "hf", cuda=True) == "hf"  # captured inside the HF regeneration
     assert resolve_capture_backend("vllm", "hf", cuda=False) == "vllm"  # asked for: kept
+
+
+@pytest.mark.parametrize(
+    "overrides, gpus, mem_gb",
+    [
+        (["train.devices=8", "train.accelerator=gpu"], 8, 72),  # an 8B trial's node: 8 ranks of 7 + 2 GB
+        (["train.devices=1", "data.tensor_parallel_size=8", "stage=prepare"], 8, 56),  # a large target's prepare job
+        (["train.devices=4", "train.prefetch_gb=0.5"], 4, 32),
+    ],
+)
+def test_the_slurm_launcher_asks_for_the_gpus_and_memory_the_trial_needs(overrides, gpus, mem_gb):
+    """gpus_per_node: the ranks' or the data engine's, whichever is more; mem_gb: every rank's host memory, 8B-sized
+    (eaglelab.variants.RANK_HOST_GB), plus its loader's read-ahead, or as much for each of the data engine's workers."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from conftest import ROOT
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = hydra_compose("config", overrides=["hydra/launcher=slurm", *overrides], return_hydra_config=True)
+    assert OmegaConf.select(cfg, "hydra.launcher.gpus_per_node") == gpus
+    assert OmegaConf.select(cfg, "hydra.launcher.mem_gb") == mem_gb

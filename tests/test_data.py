@@ -98,6 +98,33 @@ def test_sharegpt_and_openai_rows(tmp_path):
     ]
 
 
+def test_a_jsonl_source_is_streamed_and_draws_what_reading_it_whole_drew(tmp_path):
+    """A JSONL source stays in its file: a run keeps each drawn conversation's line offset and reads the line when
+    the conversation is asked for (a line rewritten in place reads anew). The draw is the one shuffling the
+    conversations themselves made, so the cache keys of runs before streaming are found; so is validation's."""
+    import random
+
+    from eaglelab.data.prompts import hold_out_for_validation, stdlib_docstring_prompts
+
+    path = tmp_path / "chat.jsonl"
+    rows = [[{"role": "user", "content": f"question {i:03d}"}] for i in range(40)]
+    lines = [json.dumps({"messages": m}) for m in rows]
+    path.write_text("\n".join([*lines[:7], json.dumps({"messages": []}), *lines[7:]]) + "\n")
+    sources = [f"jsonl:{path}", "stdlib_docstrings"]
+    drawn = mix_sources(sources, 30, seed=2, skip_empty=True)
+    pools = [list(rows), stdlib_docstring_prompts()]  # as mix_sources drew before: the conversations shuffled
+    for i, (source, pool) in enumerate(zip(sources, pools)):
+        random.Random(f"2:{i}:{source}").shuffle(pool)
+    expected = [pools[i % 2].pop() for i in range(30)]
+    assert list(drawn) == expected
+    training, validation = hold_out_for_validation(drawn, 5)
+    assert (list(training), list(validation)) == hold_out_for_validation(expected, 5)
+    j = next(j for j, p in enumerate(drawn) if p[0]["content"].startswith("question"))
+    asked = drawn[j][0]["content"]
+    path.write_text(path.read_text().replace(asked, asked.upper()))  # the same length: every offset holds
+    assert drawn[j][0]["content"] == asked.upper()
+
+
 def test_hf_dataset_saved_to_disk(tmp_path):
     import datasets
 

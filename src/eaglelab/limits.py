@@ -43,6 +43,7 @@ plus its max_new_tokens, at most data.max_length; every batch is taken to be as 
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import resource
@@ -240,9 +241,8 @@ def prompt_sets(
     native = renderer("native", data.system_prompt)
     sets = []
 
-    def add(name, prompts, render, max_new_tokens, limit, batch, at_limit, trained_on=0, turn_by_turn=False, sizes=()):
-        sizes = sizes or [length(m, render, max_new_tokens, turn_by_turn) for m in prompts]  # (or already known)
-        kept = [(n, m) for n, m in zip(sizes, prompts) if fits(m, n, limit, turn_by_turn)]
+    def add(name, measured, max_new_tokens, limit, batch, at_limit, trained_on=0):
+        kept = [(n, answers) for n, fits, answers in measured if fits]
         totals = {
             "sequences": len(kept),
             "tokens_bound": sum(min(n + max_new_tokens, limit) for n, _ in kept),
@@ -253,35 +253,42 @@ def prompt_sets(
             bound = at_limit if sequence == limit else f"sequences of up to {sequence} tokens"
             # Labelled positions: the last answer, and each earlier one the target gave in turn (data.turns=all), a
             # span inside the prompt at up to its budget; never more than the sequence.
-            answers = max(len(rounds(m)) if turn_by_turn and is_multi_turn(m) else 1 for _, m in kept)
+            answers = max(a for _, a in kept)
             response = min(min(max_new_tokens, sequence - prompt) + (answers - 1) * max_new_tokens, sequence)
             sets.append(PromptSet(name, batch, prompt, sequence, response, bound, trained_on, **totals))
 
     # As eaglelab.data.render keeps and sizes a prompt: it leaves room for an answer; a training conversation the
     # target answers turn by turn (data.turns=all) when its first round does, sized by its longest last prompt.
-    def length(messages, render, max_new_tokens: int, turn_by_turn: bool) -> int:
-        if turn_by_turn and is_multi_turn(messages):
-            return longest_prompt(messages, lambda m: render(target.tokenizer, m), max_new_tokens)
-        return len(render(target.tokenizer, messages))
-
-    def fits(messages, n: int, limit: int, turn_by_turn: bool) -> bool:
-        if turn_by_turn and is_multi_turn(messages):
-            return len(native(target.tokenizer, history(messages, rounds(messages)[0], []))) + 8 <= limit
-        return n + 8 <= limit
+    def measure(prompts, render, max_new_tokens: int, limit: int, turn_by_turn: bool = False) -> list[tuple]:
+        """(length, whether it fits, the answers it is trained on) of each prompt, each read and rendered once (a
+        streamed source's conversations are not held)."""
+        out = []
+        for messages in prompts:
+            if turn_by_turn and is_multi_turn(messages):
+                n = longest_prompt(messages, lambda m: render(target.tokenizer, m), max_new_tokens)
+                first = len(native(target.tokenizer, history(messages, rounds(messages)[0], [])))
+                out.append((n, first + 8 <= limit, len(rounds(messages))))
+            else:
+                n = len(render(target.tokenizer, messages))
+                out.append((n, n + 8 <= limit, 1))
+        return out
 
     limit, at_limit = min(data.max_length, target.max_context), f"data.max_length={data.max_length}"
     turns = data.turns == "all" and data.responses == "regenerate"
-    training_set = [*train_prompts, *validation_prompts]
-    sizes = [length(m, native, data.max_new_tokens, turns) for m in training_set]  # each prompt rendered once
-    trained_on = sum(fits(m, n, limit, turns) for m, n in zip(train_prompts, sizes))
+    measured = measure(itertools.chain(train_prompts, validation_prompts), native, data.max_new_tokens, limit, turns)
+    trained_on = sum(fits for _, fits, _ in measured[: len(train_prompts)])
     batch = data.regen_batch_size
-    add("train", training_set, native, data.max_new_tokens, limit, batch, at_limit, trained_on, turns, sizes)
-    add("held-out", held_out_prompts, native, cfg.eval.max_new_tokens, limit, data.regen_batch_size, at_limit)
+    add("train", measured, data.max_new_tokens, limit, batch, at_limit, trained_on)
+    held_out = measure(held_out_prompts, native, cfg.eval.max_new_tokens, limit)
+    add("held-out", held_out, cfg.eval.max_new_tokens, limit, data.regen_batch_size, at_limit)
     if suites.templates.enabled:  # the held-out prompts under every condition, in the target's whole window
         for condition in suites.templates.conditions:
+            render = renderer(condition, data.system_prompt)
+            window = target.max_context
             add(
-                "templates", held_out_prompts, renderer(condition, data.system_prompt), suites.templates.max_new_tokens,
-                target.max_context, data.regen_batch_size, f"the target's window of {target.max_context} tokens",
+                "templates", measure(held_out_prompts, render, suites.templates.max_new_tokens, window),
+                suites.templates.max_new_tokens, window, data.regen_batch_size,
+                f"the target's window of {window} tokens",
             )  # fmt: skip
     lc = suites.long_context
     if lc.enabled:  # prompts built to each length, clipped to the window

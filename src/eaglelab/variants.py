@@ -7,6 +7,7 @@ these flags from its setup labels because the variant name already says them. Ad
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 # The flags a variant fixes. Other drafter settings (norm_before_residual, num_layers, ...) are shown
@@ -39,7 +40,8 @@ def register_resolver() -> None:
     """The resolvers conf/ uses: `${eaglelab.variant:${drafter}}` (the schema's default `variant`) and
     `${eaglelab.launch_stamp:${train.accelerator}}` (a run directory's time, one for all ranks: eaglelab.ranks),
     `${eaglelab.slurm_python:}` (the Slurm launcher's job command: eaglelab/slurm_entry.py) and
-    `${eaglelab.gpus_per_node:...}` (the GPUs a job asks for: its ranks' or its data engine's, whichever is more).
+    `${eaglelab.gpus_per_node:...}` (the GPUs a job asks for: its ranks' or its data engine's, whichever is more) and
+    `${eaglelab.mem_gb:...}` (a node's host memory: its ranks', each 8B-sized).
     Registered when `eaglelab` is imported, so every process that resolves a config (a submitit or Slurm job too)
     has them."""
     try:
@@ -54,12 +56,29 @@ def register_resolver() -> None:
         OmegaConf.register_resolver("eaglelab.slurm_python", _slurm_python)
     if not OmegaConf.has_resolver("eaglelab.gpus_per_node"):
         OmegaConf.register_resolver("eaglelab.gpus_per_node", gpus_per_node)
+    if not OmegaConf.has_resolver("eaglelab.mem_gb"):
+        OmegaConf.register_resolver("eaglelab.mem_gb", slurm_mem_gb)
 
 
 def gpus_per_node(devices: int, tensor_parallel: int, pipeline_parallel: int) -> int:
     """The GPUs a node of a trial or a `stage=prepare` job needs: one per rank (train.devices), and the data engine's
     tensor × pipeline size (vLLM spreads the target over them: a 70B or MoE target's prepare job on its 8 GPUs)."""
     return max(int(devices), int(tensor_parallel) * int(pipeline_parallel))
+
+
+# What one rank of an 8B trial holds on the host besides its loader's read-ahead (train.prefetch_gb), computed, not
+# measured (no GPU here; benchmarks/rank_memory.py): the drafter built in fp32 before it moves to its GPU (1.7 GB at
+# Llama-3.1-8B shapes with a 32k draft vocabulary), the target's embedding read by name (1.0 GB), and a process with
+# torch, CUDA's host side and the loader's workers (~3 GB); 1.3 GB to spare.
+RANK_HOST_GB = 7
+
+
+def slurm_mem_gb(devices: int, prefetch_gb: float, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> int:
+    """A node's --mem (the Slurm launcher's `mem_gb`): every rank's host memory, 8B-sized (RANK_HOST_GB), plus its
+    read-ahead (8 ranks at the default 2 GB: 72 GB), or, where the data engine spans more GPUs (a large target's
+    `stage=prepare` job), as much for each of its workers (unmeasured: a vLLM worker's host side at most a rank's)."""
+    ranks = int(devices) * (RANK_HOST_GB + math.ceil(float(prefetch_gb)))
+    return max(ranks, int(tensor_parallel) * int(pipeline_parallel) * RANK_HOST_GB)
 
 
 def _slurm_python() -> str:

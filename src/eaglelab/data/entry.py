@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,7 +125,7 @@ def plan_entry(target, rendered, request: SetRequest, how: CaptureSettings, limi
         backend=how.backend,
         stop_token_ids=rendered.stops,
         # (part of the key only where turns change the sequences: entries of one-turn prompts keep their keys)
-        **({"turns": [c for c, m in zip(rendered.conversations, multi) if m]} if any(multi) else {}),
+        **({"turns": rendered.conversations_where(multi)} if any(multi) else {}),
     )
     states = request.features == "cached"
     # (the capture backend is part of the key only when not HF's: entries made before it existed stay valid)
@@ -159,8 +160,9 @@ def _covering(
 
 def cache_key(**parts) -> str:
     """A hash of `parts` as `json.dumps(parts, sort_keys=True, default=str)` writes them, streamed: a list part
-    (every prompt's token ids: ~7 characters a token) is written and hashed item by item, never as one string of
-    the whole set. Token ids may be numpy arrays (written as their lists)."""
+    (every prompt's token ids: ~7 characters a token), or any sequence (conversations read from their source), is
+    written and hashed item by item, never as one string of the whole set. Token ids may be numpy arrays (written as
+    their lists)."""
     return cache_keys("", [None], **parts)[0]
 
 
@@ -185,7 +187,7 @@ def cache_keys(vary: str, values: list, **parts) -> list[str]:
 def _hash_part(digest, n: int, name: str, value) -> None:
     dumps = lambda x: json.dumps(x, sort_keys=True, default=_jsonable)  # noqa: E731
     digest.update(f"{', ' if n else '{'}{dumps(name)}: ".encode())
-    if isinstance(value, list):  # (json's own separators: "[a, b]")
+    if isinstance(value, Sequence) and not isinstance(value, str):  # (a list, or one read item by item; "[a, b]")
         digest.update(b"[")
         for i, item in enumerate(value):
             digest.update(f"{', ' if i else ''}{dumps(item)}".encode())

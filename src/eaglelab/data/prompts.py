@@ -15,10 +15,12 @@ import importlib.util
 import inspect
 import json
 import logging
+import os
 import random
 import re
 import sys
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from eaglelab.errors import DataError
@@ -251,11 +253,10 @@ def _conversation_from_row(row: dict, where: str, with_response: bool = False) -
     return conv[: last_user + 2]
 
 
-def _non_empty(convs: list[tuple[str, Messages]], skip_empty: bool, with_response: bool = False) -> list[Messages]:
-    """The conversations with a user turn to answer (and, `with_response`, the source's answer to it). An empty
-    one is bad input (a broken export, a filter that went wrong) unless data.skip_empty=true says such rows are
-    expected; then they are skipped and counted."""
-    empty = [where for where, conv in convs if not conv]
+def _check_empty(empty: list[str], skip_empty: bool, with_response: bool = False) -> None:
+    """`empty`: where the conversations without a user turn to answer (and, `with_response`, the source's answer to
+    it) are. An empty one is bad input (a broken export, a filter that went wrong) unless data.skip_empty=true says
+    such rows are expected; then they are skipped and counted."""
     if empty and not skip_empty:
         missing = "a user turn with text, followed by an assistant turn" if with_response else "a user turn with text"
         raise DataError(
@@ -265,35 +266,90 @@ def _non_empty(convs: list[tuple[str, Messages]], skip_empty: bool, with_respons
         )
     if empty:
         log.warning("skipped %d empty conversations (first: %s)", len(empty), empty[0])
-    return [conv for _, conv in convs if conv]
 
 
-def jsonl_prompts(path: str, skip_empty: bool = False, with_response: bool = False) -> list[Messages]:
+class Rows(Sequence):
+    """A source's conversations, each read from the source when asked for (a JSONL line by its offset, a dataset's
+    row by its index): a process holds 16 bytes a conversation of the source, not the conversations. Every row is
+    read and checked once when the source is opened, so bad input is refused before any work."""
+
+    def __init__(self, read: Callable[[int], Messages], keys: Sequence[int]):
+        self._read, self._keys = read, keys  # what `read` takes: the kept rows' numbers (a JSONL) or indices
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return self._read(self._keys[i])
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+
+def _jsonl_row(p: Path, lineno: int, raw: bytes, with_response: bool) -> Messages | None:
+    """One JSONL line's conversation ([]: nothing to answer; None: a blank line)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise DataError(f"{p}:{lineno}: not UTF-8 text; re-encode the file as UTF-8") from None
+    if not line.strip():
+        return None
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{p}:{lineno}: malformed JSON ({e.msg}); fix or remove that line") from None
+    if not isinstance(row, dict):
+        raise DataError(f"{p}:{lineno}: expected a JSON object per line")
+    return _conversation_from_row(row, f"{p}:{lineno}", with_response)
+
+
+def jsonl_prompts(path: str, skip_empty: bool = False, with_response: bool = False) -> Sequence[Messages]:
+    """A JSONL file's conversations, streamed: read and checked line by line, each kept as its line's place in the
+    file and read again when a run draws it (`Rows`). A gzipped file is held whole (it cannot seek cheaply)."""
     p = Path(path).expanduser()
     if not p.is_file():
         raise DataError(f"data source jsonl:{path}: file not found; fix the path in data.sources")
-    out = []
-    opener = gzip.open if p.suffix == ".gz" else open
-    with opener(p, "rb") as f:
+    offsets, sizes, empty, held = array("q"), array("q"), [], []
+    with (gzip.open if p.suffix == ".gz" else open)(p, "rb") as f:
+        offset = 0
         for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise DataError(f"{p}:{lineno}: not UTF-8 text; re-encode the file as UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{p}:{lineno}: malformed JSON ({e.msg}); fix or remove that line") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{p}:{lineno}: expected a JSON object per line")
-            out.append((f"{p}:{lineno}", _conversation_from_row(row, f"{p}:{lineno}", with_response)))
-    return _non_empty(out, skip_empty, with_response)
+            conv = _jsonl_row(p, lineno, raw, with_response)
+            if conv == []:
+                empty.append(f"{p}:{lineno}")
+            elif conv is not None:
+                offsets.append(offset)
+                sizes.append(len(raw))
+                held += [conv] if p.suffix == ".gz" else []
+            offset += len(raw)
+    _check_empty(empty, skip_empty, with_response)
+    if p.suffix == ".gz":
+        return held
+    lines = _Lines(p)
+    return Rows(lambda i: _jsonl_row(p, 0, lines.read(offsets[i], sizes[i]), with_response), range(len(offsets)))
 
 
-def hf_prompts(spec: str, skip_empty: bool = False, with_response: bool = False) -> list[Messages]:
-    """`hf:PATH[:SPLIT]` — a dataset saved with `save_to_disk`, or a local dataset script/folder."""
+class _Lines:
+    """Bytes of a file at an offset, through one descriptor per process (a forked worker opens its own) and no
+    buffer (each read is the file's current content)."""
+
+    def __init__(self, path: Path):
+        self.path, self._fd, self._pid = path, None, None
+
+    def read(self, offset: int, size: int) -> bytes:
+        if self._pid != os.getpid():
+            self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
+        return os.pread(self._fd, size, offset)
+
+    def __del__(self):
+        if self._fd is not None and self._pid == os.getpid():
+            os.close(self._fd)
+
+
+def hf_prompts(spec: str, skip_empty: bool = False, with_response: bool = False) -> Sequence[Messages]:
+    """`hf:PATH[:SPLIT]` — a dataset saved with `save_to_disk`, or a local dataset script/folder. Its rows stay in the
+    dataset's memory-mapped Arrow files until a run draws them (`Rows`)."""
     import datasets
 
     path, _, split = spec.partition(":")
@@ -310,9 +366,11 @@ def hf_prompts(spec: str, skip_empty: bool = False, with_response: bool = False)
         ) from None
     if isinstance(ds, datasets.DatasetDict):
         ds = ds[split or next(iter(ds))]
-    where = [f"hf:{spec}[{i}]" for i in range(len(ds))]
-    convs = [(w, _conversation_from_row(row, w, with_response)) for w, row in zip(where, ds)]
-    return _non_empty(convs, skip_empty, with_response)
+    kept, empty = array("q"), []
+    for i, row in enumerate(ds):
+        (kept if _conversation_from_row(row, f"hf:{spec}[{i}]", with_response) else empty).append(i)
+    _check_empty([f"hf:{spec}[{i}]" for i in empty], skip_empty, with_response)
+    return Rows(lambda i: _conversation_from_row(ds[i], f"hf:{spec}[{i}]", with_response), kept)
 
 
 def humaneval_prompts() -> list[Messages]:
@@ -350,7 +408,7 @@ def load_source(
     with_response: bool = False,
     count: int = 0,
     self_chat: SelfChat | None = None,
-) -> list[Messages]:
+) -> Sequence[Messages]:
     """One source's prompts. `with_response` (data.responses=original): each ends with the source's own assistant
     answer; only JSONL/HF sources have one. `self_chat` writes `count` requests with the target."""
     if with_response and not source.startswith(("jsonl:", "hf:")):
@@ -383,33 +441,63 @@ def mix_sources(
     *,
     with_response: bool = False,
     self_chat: SelfChat | None = None,
-) -> list[Messages]:
+) -> Drawn:
     """Round-robin over shuffled sources so each contributes evenly; deterministic in `seed`. `self_chat` is asked
     for an even share (it writes what it is asked for)."""
-    pools = []
+    pools, orders = [], []
     share = -(-num_prompts // len(sources))
     for i, src in enumerate(sources):
-        items = load_source(src, skip_empty, with_response=with_response, count=share, self_chat=self_chat)
-        random.Random(f"{seed}:{i}:{src}").shuffle(items)
-        pools.append(items)
-    out: list[Messages] = []
-    while len(out) < num_prompts and any(pools):
-        for pool in pools:
-            if pool and len(out) < num_prompts:
-                out.append(pool.pop())
-    if len(out) < num_prompts:  # a larger data.num_prompts would silently train on the same set
-        log.warning("data.sources hold %d prompts, %d were asked for: add sources for more", len(out), num_prompts)
-    return out
+        pools.append(load_source(src, skip_empty, with_response=with_response, count=share, self_chat=self_chat))
+        order = list(range(len(pools[-1])))  # (shuffling the positions permutes as shuffling the items would)
+        random.Random(f"{seed}:{i}:{src}").shuffle(order)
+        orders.append(order)
+    picks: list[tuple[int, int]] = []
+    while len(picks) < num_prompts and any(orders):
+        for source, order in enumerate(orders):
+            if order and len(picks) < num_prompts:
+                picks.append((source, order.pop()))
+    if len(picks) < num_prompts:  # a larger data.num_prompts would silently train on the same set
+        log.warning("data.sources hold %d prompts, %d were asked for: add sources for more", len(picks), num_prompts)
+    return Drawn(pools, picks)
 
 
-def hold_out_for_validation(prompts: list[Messages], count: int) -> tuple[list[Messages], list[Messages]]:
+class Drawn(Sequence):
+    """Prompts drawn from several sources, as (source, row) pairs: each is read from its source when asked for
+    (a streamed JSONL or dataset holds none in memory), so a run's prompts cost a few bytes each until rendered."""
+
+    def __init__(self, pools: list[Sequence[Messages]], picks: list[tuple[int, int]]):
+        self.pools, self.picks = pools, picks
+
+    def __len__(self) -> int:
+        return len(self.picks)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return Drawn(self.pools, self.picks[i])
+        source, row = self.picks[i]
+        return self.pools[source][row]
+
+    def subset(self, positions: list[int]) -> Drawn:
+        return Drawn(self.pools, [self.picks[i] for i in positions])
+
+    def __add__(self, other):
+        if isinstance(other, Drawn) and other.pools is self.pools:
+            return Drawn(self.pools, self.picks + other.picks)
+        return list(self) + list(other)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+
+def hold_out_for_validation(prompts: Sequence[Messages], count: int) -> tuple[Sequence[Messages], Sequence[Messages]]:
     """(training, validation): the `count` prompts whose digest ranks lowest are validation, by count rather than by
     fraction, so the split is as large at 96 prompts as at 1,536. Stable: a prompt's side depends only on the set."""
-    rank = sorted(
-        range(len(prompts)), key=lambda i: hashlib.sha256(json.dumps(prompts[i], sort_keys=True).encode()).digest()
-    )
-    validation = set(rank[:count])
-    return (
-        [p for i, p in enumerate(prompts) if i not in validation],
-        [p for i, p in enumerate(prompts) if i in validation],
-    )
+    digests = [hashlib.sha256(json.dumps(p, sort_keys=True).encode()).digest() for p in prompts]  # (one at a time)
+    validation = set(sorted(range(len(prompts)), key=digests.__getitem__)[:count])
+    training = [i for i in range(len(prompts)) if i not in validation]
+    return subset(prompts, training), subset(prompts, sorted(validation))
+
+
+def subset(prompts: Sequence[Messages], positions: list[int]) -> Sequence[Messages]:
+    """The prompts at `positions`, in that order (still read from their sources where they were drawn)."""
+    return prompts.subset(positions) if isinstance(prompts, Drawn) else [prompts[i] for i in positions]

@@ -7,6 +7,7 @@ with an assistant turn (`data.responses=original`) keeps that turn, within its b
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,13 +28,24 @@ class Rendered:
 
     templated: list[np.ndarray] = field(default_factory=list)  # int32 ids (a Python list of ids holds ~9x the bytes)
     is_val: list[bool] = field(default_factory=list)  # a validation prompt (never trained on)
-    conversations: list[Messages] = field(default_factory=list)  # the question: the messages before any answer
+    rows: list[int] = field(default_factory=list)  # each kept prompt's position in `prompts`
     multi: list[bool] = field(default_factory=list)  # answered turn by turn
     sizes: list[int] = field(default_factory=list)  # what sorts it: its prompt's length (the longest it can grow to)
     spans: list[list] = field(default_factory=list)  # the source's earlier assistant turns (original multi-turn)
     originals: list[list[int]] = field(default_factory=list)  # the sources' own responses, when they have them
     stops: list[int] = field(default_factory=list)  # the target's stop ids (they determine the sequences too)
     skipped: int = 0  # prompts that leave no room for a response
+    prompts: Sequence[Messages] = ()  # what was rendered, read from its source again where a conversation is needed
+
+    @property
+    def conversations(self) -> Sequence[Messages]:
+        """Each kept prompt's question (the messages before any answer), read when asked for: the set holds its ids,
+        not its text."""
+        return Questions(self.prompts, self.rows)
+
+    def conversations_where(self, chosen: list[bool]) -> Sequence[Messages]:
+        """The questions of the kept prompts where `chosen` (one flag a kept prompt), read when asked for."""
+        return Questions(self.prompts, [row for row, c in zip(self.rows, chosen, strict=True) if c])
 
     @property
     def turned(self) -> list[Messages] | None:
@@ -41,15 +53,31 @@ class Rendered:
         return self.conversations if any(self.multi) and not self.originals else None
 
 
-def render_prompts(target, prompts: list[Messages], request: SetRequest, how: CaptureSettings, limit: int) -> Rendered:
+class Questions(Sequence):
+    """The questions of the prompts at `rows` (a prompt that ends with its source's answer: without it)."""
+
+    def __init__(self, prompts: Sequence[Messages], rows: list[int]):
+        self.prompts, self.rows = prompts, rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, j: int) -> Messages:
+        messages = self.prompts[self.rows[j]]
+        return messages[:-1] if messages[-1]["role"] == "assistant" else messages
+
+
+def render_prompts(
+    target, prompts: Sequence[Messages], request: SetRequest, how: CaptureSettings, limit: int
+) -> Rendered:
     """`prompts` in the target's template (`request.render(tokenizer, messages) -> ids` instead, for the suites'
     templates); `limit`: the longest a sequence may be."""
     name, render, max_new_tokens = request.name, request.render, request.max_new_tokens
     system_prompt, is_val, turns = how.system_prompt, request.is_val, request.turns
-    out = Rendered(stops=sorted(stop_ids(target)))
+    out = Rendered(stops=sorted(stop_ids(target)), prompts=prompts)
     chat = lambda m: template_prompt(target.tokenizer, m, system_prompt)  # noqa: E731
     respond = lambda m, ids: template_response(target.tokenizer, m, system_prompt, ids, set(out.stops))  # noqa: E731
-    for messages, validation in zip(prompts, is_val or [False] * len(prompts), strict=True):
+    for row, (messages, validation) in enumerate(zip(prompts, is_val or [False] * len(prompts), strict=True)):
         question = messages[:-1] if messages[-1]["role"] == "assistant" else messages
         every_turn = turns == "all" and render is None and is_multi_turn(question)
         if every_turn and question is not messages:  # the source's turns, each a span
@@ -65,7 +93,7 @@ def render_prompts(target, prompts: list[Messages], request: SetRequest, how: Ca
             continue
         out.templated.append(np.asarray(ids, np.int32))
         out.is_val.append(validation)
-        out.conversations.append(question)
+        out.rows.append(row)
         out.multi.append(every_turn)
         out.sizes.append(size)
         out.spans.append(said.spans if every_turn and question is not messages else [])

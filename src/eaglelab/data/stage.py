@@ -12,13 +12,14 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from eaglelab.acceptance import tail_tokens
 from eaglelab.config import RunConfig, max_k, resolve_capture_backend
 from eaglelab.data.entry import CaptureSettings, SetRequest
 from eaglelab.data.prepare import PrepareStats, prepare_features
-from eaglelab.data.prompts import hold_out_for_validation, load_source, mix_sources
+from eaglelab.data.prompts import hold_out_for_validation, load_source, mix_sources, subset
 from eaglelab.data.self_chat import self_chat_prompts
 from eaglelab.drafter import Eagle3Config
 from eaglelab.errors import ConfigError
@@ -43,12 +44,14 @@ class PreparedData:
 
 @dataclass
 class Prompts:
-    train: list  # training prompts
-    validation: list  # validation prompts (data.val_prompts of them), from the training sources, never trained on
-    held_out: list  # held-out evaluation prompts, from another source
+    """Each set a sequence of conversations, read from its source when asked for (eaglelab.data.prompts.Drawn)."""
+
+    train: Sequence  # training prompts
+    validation: Sequence  # validation prompts (data.val_prompts of them), from the training sources, never trained on
+    held_out: Sequence  # held-out evaluation prompts, from another source
 
     @property
-    def training_set(self) -> list:
+    def training_set(self) -> Sequence:
         """What the training data is prepared from: training then validation prompts (the `is_val` column)."""
         return self.train + self.validation
 
@@ -85,10 +88,10 @@ def select_prompts(cfg: RunConfig, target: Target | None = None) -> Prompts:
     )
     held_out = {json.dumps(p, sort_keys=True) for p in eval_prompts}
     question = lambda p: p[:-1] if p[-1]["role"] == "assistant" else p  # noqa: E731  (original responses)
-    kept = [p for p in train_prompts if json.dumps(question(p), sort_keys=True) not in held_out]
+    kept = [i for i, p in enumerate(train_prompts) if json.dumps(question(p), sort_keys=True) not in held_out]
     if len(kept) < len(train_prompts):
         log.warning("dropped %d training prompts that are also evaluation prompts", len(train_prompts) - len(kept))
-    return Prompts(*hold_out_for_validation(kept, cfg.data.val_prompts), eval_prompts)
+    return Prompts(*hold_out_for_validation(subset(train_prompts, kept), cfg.data.val_prompts), eval_prompts)
 
 
 def capture_settings(cfg: RunConfig, model_cfg: Eagle3Config) -> CaptureSettings:
