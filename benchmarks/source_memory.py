@@ -8,7 +8,7 @@ before the engines start, on every rank and every task of a `stage=prepare` arra
 The JSONL is synthetic, ShareGPT-like: 2 rounds, ~1.5 KB of text a conversation (the regenerated set keeps the
 first user turn, its answer and the second user turn). `--select` is the share of the file a run draws
 (`data.num_prompts`). Each case runs in a fresh process on the tiny target (its tokenizer is SmolLM2's); measured is
-the peak RSS (VmHWM) less the RSS after imports and the target's load. `--src` measures another checkout's eaglelab
+the peak RSS (VmHWM) less the RSS after imports and the target's load, and the process's whole peak. `--src` measures another checkout's eaglelab
 (e.g. a worktree of an earlier commit) with the same script.
 """
 
@@ -59,7 +59,7 @@ rendered = render_prompts(target, prompts.training_set, request, how, limit)
 entry = plan_entry(target, rendered, request, how, limit)
 tokens = int(sum(len(t) for t in rendered.templated))
 print(json.dumps({"conversations": n, "tokens": tokens, "held_gb": (status("VmHWM") - base) / 2**30,
-                  "key": entry.regen_dir.name}))
+                  "peak_gb": status("VmHWM") / 2**30, "key": entry.regen_dir.name}))
 """
 
 
@@ -82,7 +82,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     env = {**os.environ, "PYTHONPATH": args.src}
     conf = str(Path(args.src).parent / "conf")
-    print(f"{'conversations':>13}{'drawn':>9}{'tokens':>13}  {'held (GiB)':>10}  key")
+    print(f"{'conversations':>13}{'drawn':>9}{'tokens':>13}  {'held (GiB)':>10}  {'process peak':>12}  key")
     folder = Path(tempfile.gettempdir()) / "eaglelab-source-memory"  # (one path: it seeds the source's shuffle)
     folder.mkdir(exist_ok=True)
     try:
@@ -93,7 +93,8 @@ def main(argv=None):
             out = subprocess.run([sys.executable, "-c", MEASURE, conf, str(path), str(drawn), args.cache], env=env,
                                  capture_output=True, text=True, check=True)  # fmt: skip
             row = json.loads(out.stdout.splitlines()[-1])
-            print(f"{n:>13,}{drawn:>9,}{row['tokens']:>13,}  {row['held_gb']:>10.3f}  {row['key']}", flush=True)
+            print(f"{n:>13,}{drawn:>9,}{row['tokens']:>13,}  {row['held_gb']:>10.3f}  {row['peak_gb']:>12.3f}  "
+                  f"{row['key']}", flush=True)  # fmt: skip
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from eaglelab.config import RunConfig, on_cuda
 from eaglelab.errors import ConfigError
 from eaglelab.io import atomic_write_json
+from eaglelab.variants import slurm_python
 
 log = logging.getLogger("eaglelab")
 
@@ -38,12 +39,12 @@ TRAINING_KEYS = ("data/", "train/", "val/", "memory/target_loaded", "memory/rank
 FOLDER = "evaluation_job"  # <run_dir>/evaluation_job/<job id>_0_log.out: its log
 
 
-def slurm_partitions(setting: str) -> list[str]:
+def slurm_partitions(setting: str, without_slurm: str) -> list[str]:
     """The cluster's partitions; one line naming the fix where Slurm's commands are missing or do not answer."""
     if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
         raise ConfigError(
-            f"{setting} needs Slurm's client commands (sinfo, sbatch) on PATH; on a machine without Slurm leave it "
-            "off (slurm/README.md starts a throw-away cluster for testing)"
+            f"{setting} needs Slurm's client commands (sinfo, sbatch) on PATH; on a machine without Slurm "
+            f"{without_slurm} (slurm/README.md starts a throw-away cluster for testing)"
         )
     proc = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -61,7 +62,7 @@ def check(cfg: RunConfig) -> None:
             "eval.job.enabled=true hands a trained trial's evaluation to a job, and checkpoint=... is an evaluation "
             "already; submit it with `python src/run.py -m hydra/launcher=slurm checkpoint=...`"
         )
-    partitions = slurm_partitions("eval.job.enabled=true")
+    partitions = slurm_partitions("eval.job.enabled=true", "evaluate in the trial (eval.job.enabled=false)")
     if cfg.eval.job.partition and cfg.eval.job.partition not in partitions:
         raise ConfigError(
             f"Slurm partition {cfg.eval.job.partition!r} does not exist; set eval.job.partition to one of: "
@@ -77,9 +78,8 @@ def hand_off(cfg: RunConfig, run_dir: Path, metrics: dict) -> dict:
     run_dir = run_dir.resolve()
     atomic_write_json(run_dir / TRAINED, {k: v for k, v in metrics.items() if k.startswith(TRAINING_KEYS)})
     job_cfg = evaluation_config(cfg, run_dir)
-    from eaglelab.variants import _slurm_python  # the launcher's job command: USR2 kept from the first instant
-
-    executor = submitit.SlurmExecutor(folder=run_dir / FOLDER / "%j", max_num_timeout=20, python=_slurm_python())
+    # the Slurm launcher's job command (eaglelab/slurm_entry.py: a USR2 kept from the job's first instant)
+    executor = submitit.SlurmExecutor(folder=run_dir / FOLDER / "%j", max_num_timeout=20, python=slurm_python())
     executor.update_parameters(**slurm_parameters(cfg, run_dir))
     job = executor.submit(EvaluationJob(job_cfg, scratch_from_env=cfg.paths.scratch_dir == _default_scratch()))
     log.info("evaluation handed to Slurm job %s (log: %s); metrics.json appears when it ends", job.job_id,

@@ -166,7 +166,7 @@ def check_slurm(config: DictConfig) -> None:
     if not launcher.endswith("SlurmLauncher"):
         return
     try:
-        partitions = slurm_partitions("hydra/launcher=slurm")
+        partitions = slurm_partitions("hydra/launcher=slurm", "use hydra/launcher=local")
     except ConfigError as e:
         _fail(str(e))
     wanted = OmegaConf.select(config, "hydra.launcher.partition")

@@ -53,7 +53,7 @@ def register_resolver() -> None:
     if not OmegaConf.has_resolver("eaglelab.launch_stamp"):
         OmegaConf.register_resolver("eaglelab.launch_stamp", _launch_stamp, use_cache=True)
     if not OmegaConf.has_resolver("eaglelab.slurm_python"):
-        OmegaConf.register_resolver("eaglelab.slurm_python", _slurm_python)
+        OmegaConf.register_resolver("eaglelab.slurm_python", slurm_python)
     if not OmegaConf.has_resolver("eaglelab.gpus_per_node"):
         OmegaConf.register_resolver("eaglelab.gpus_per_node", gpus_per_node)
     if not OmegaConf.has_resolver("eaglelab.mem_gb"):
@@ -81,7 +81,7 @@ def slurm_mem_gb(devices: int, prefetch_gb: float, tensor_parallel: int = 1, pip
     return max(ranks, int(tensor_parallel) * int(pipeline_parallel) * RANK_HOST_GB)
 
 
-def _slurm_python() -> str:
+def slurm_python() -> str:
     """The Slurm launcher's `python`: this interpreter, through eaglelab/slurm_entry.py (USR2 from the first
     instant of the job)."""
     import shlex
