@@ -270,7 +270,7 @@ def _check_empty(empty: list[str], skip_empty: bool, with_response: bool = False
 
 class Rows(Sequence):
     """A source's conversations, each read from the source when asked for (a JSONL line by its offset, a dataset's
-    row by its index): a process holds 16 bytes a conversation of the source, not the conversations. Every row is
+    row by its index): a process holds 8-16 bytes a conversation of the source, not the conversations. Every row is
     read and checked once when the source is opened, so bad input is refused before any work."""
 
     def __init__(self, read: Callable[[int], Messages], keys: Sequence[int]):
