@@ -7,9 +7,9 @@ before the engines start, on every rank and every task of a `stage=prepare` arra
 
 The JSONL is synthetic, ShareGPT-like: 2 rounds, ~1.5 KB of text a conversation (the regenerated set keeps the
 first user turn, its answer and the second user turn). `--select` is the share of the file a run draws
-(`data.num_prompts`). Each case runs in a fresh process on the tiny target (its tokenizer is SmolLM2's); measured is
-the peak RSS (VmHWM) less the RSS after imports and the target's load, and the process's whole peak. `--src` measures another checkout's eaglelab
-(e.g. a worktree of an earlier commit) with the same script.
+(`data.num_prompts`). Each case runs in a fresh process on the tiny target (its tokenizer is SmolLM2's); measured
+are the peak RSS (VmHWM) less the RSS after imports and the target's load, and the process's whole peak. `--src`
+measures another checkout's eaglelab (e.g. a worktree of an earlier commit) with the same script.
 """
 
 from __future__ import annotations
