@@ -229,13 +229,15 @@ def test_capture_backend_auto_is_vllm_where_vllm_regenerates_on_cuda():
     "overrides, gpus, mem_gb",
     [
         (["train.devices=8", "train.accelerator=gpu"], 8, 72),  # an 8B trial's node: 8 ranks of 7 + 2 GB
-        (["train.devices=1", "data.tensor_parallel_size=8", "stage=prepare"], 8, 56),  # a large target's prepare job
-        (["train.devices=4", "train.prefetch_gb=0.5"], 4, 32),
+        (["train.devices=1", "data.tensor_parallel_size=16", "stage=prepare"], 16, 112),  # a large target's prepare
+        (["train.devices=8", "train.prefetch_gb=3.5"], 8, 88),
+        (["train.devices=2"], 2, 64),  # never under the 64 GB asked before (the engines beside the ranks)
     ],
 )
 def test_the_slurm_launcher_asks_for_the_gpus_and_memory_the_trial_needs(overrides, gpus, mem_gb):
     """gpus_per_node: the ranks' or the data engine's, whichever is more; mem_gb: every rank's host memory, 8B-sized
-    (eaglelab.variants.RANK_HOST_GB), plus its loader's read-ahead, or as much for each of the data engine's workers."""
+    (eaglelab.variants.RANK_HOST_GB), plus its loader's read-ahead, or as much for each of the data engine's workers;
+    at least 64 GB."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf

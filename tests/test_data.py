@@ -100,8 +100,9 @@ def test_sharegpt_and_openai_rows(tmp_path):
 
 def test_a_jsonl_source_is_streamed_and_draws_what_reading_it_whole_drew(tmp_path):
     """A JSONL source stays in its file: a run keeps each drawn conversation's line offset and reads the line when
-    the conversation is asked for (a line rewritten in place reads anew). The draw is the one shuffling the
-    conversations themselves made, so the cache keys of runs before streaming are found; so is validation's."""
+    the conversation is asked for (so a file changed under the run is noticed, in one line). The draw is the one
+    shuffling the conversations themselves made, so the cache keys of runs before streaming are found; so is
+    validation's."""
     import random
 
     from eaglelab.data.prompts import hold_out_for_validation, stdlib_docstring_prompts
@@ -121,8 +122,9 @@ def test_a_jsonl_source_is_streamed_and_draws_what_reading_it_whole_drew(tmp_pat
     assert (list(training), list(validation)) == hold_out_for_validation(expected, 5)
     j = next(j for j, p in enumerate(drawn) if p[0]["content"].startswith("question"))
     asked = drawn[j][0]["content"]
-    path.write_text(path.read_text().replace(asked, asked.upper()))  # the same length: every offset holds
-    assert drawn[j][0]["content"] == asked.upper()
+    path.write_text(path.read_text().replace(asked, asked.upper()))  # the same length: every offset still holds
+    with pytest.raises(DataError, match=r"^.*chat.jsonl changed since this run read it; run again once it stays"):
+        drawn[j]
 
 
 def test_hf_dataset_saved_to_disk(tmp_path):

@@ -141,7 +141,8 @@ def test_a_trial_on_two_slurm_tasks_is_one_ddp_run(slurm, reference, cache_dir, 
 def test_a_trial_hands_its_evaluation_to_a_slurm_job_of_its_own(slurm, reference, cache_dir, tmp_path):
     """eval.job.enabled=true: the trial trains and exports in this process, then its evaluation is a Slurm job with
     eval.job's time limit and memory, which completes the same run directory with the numbers of the trial that
-    evaluated itself, and keeps what the training attempt measured. A partition Slurm lacks is refused first."""
+    evaluated itself, and keeps what the training attempt measured. A partition Slurm lacks, or a job it would not
+    take (GPUs on a node without any), is refused before any work."""
     from eaglelab.errors import ConfigError
     from eaglelab.pipeline import run
     from eaglelab.summary import sweep_summary
@@ -149,6 +150,8 @@ def test_a_trial_hands_its_evaluation_to_a_slurm_job_of_its_own(slurm, reference
     handed = ["eval.job.enabled=true", "eval.job.cpus_per_task=1", "eval.job.mem_gb=2", "eval.job.timeout_min=17"]
     with pytest.raises(ConfigError, match=r"^Slurm partition 'nope' does not exist; set eval.job.partition to one of"):
         run(compose([*EXACT, *handed, "eval.job.partition=nope"], cache_dir, tmp_path / "refused"))
+    with pytest.raises(ConfigError, match=r"^Slurm would refuse the evaluation job \(sbatch --test-only: .+\)"):
+        run(compose([*EXACT, *handed, "eval.job.gpus_per_node=4"], cache_dir, tmp_path / "refused"))  # no GPUs here
     assert not (tmp_path / "refused" / "drafter").exists()
     run_dir = run(compose([*EXACT, *handed], cache_dir, tmp_path / "trial"))
     record = json.loads((run_dir / "run.json").read_text())

@@ -20,11 +20,12 @@ import logging
 import os
 import shutil
 import subprocess
+import time
 from dataclasses import replace
 from pathlib import Path
 
 from eaglelab.config import RunConfig, on_cuda
-from eaglelab.errors import ConfigError
+from eaglelab.errors import ConfigError, EaglelabError, first_line
 from eaglelab.io import atomic_write_json
 from eaglelab.variants import slurm_python
 
@@ -35,7 +36,7 @@ TRAINED = "trained.json"  # what the training attempt measured, for the evaluati
 # attempt's values stand.
 TRAINING_KEYS = ("data/", "train/", "val/", "memory/target_loaded", "memory/rank", "time/convert_s", "time/prompts_s",
                  "time/prepare_s", "time/regenerate_s", "time/capture_s", "time/train_s", "time/export_s",
-                 "time/training_job_s")  # fmt: skip
+                 "time/training_job_s", "memory/training_job_")  # fmt: skip
 FOLDER = "evaluation_job"  # <run_dir>/evaluation_job/<job id>_0_log.out: its log
 
 
@@ -68,6 +69,16 @@ def check(cfg: RunConfig) -> None:
             f"Slurm partition {cfg.eval.job.partition!r} does not exist; set eval.job.partition to one of: "
             f"{', '.join(partitions) or '(none)'}"
         )
+    # The job as it will be submitted, asked of Slurm now (an account, QoS or time limit it refuses), not after training
+    p = slurm_parameters(cfg, Path("check"))
+    asked = {"partition": p.get("partition"), "account": p.get("account"), "qos": p.get("qos"), "time": p["time"],
+             "nodes": p["nodes"], "ntasks-per-node": p["ntasks_per_node"], "cpus-per-task": p["cpus_per_task"],
+             "mem": p["mem"], "gpus-per-node": p.get("gpus_per_node")}  # fmt: skip
+    flags = [f"--{k}={v}" for k, v in asked.items() if v is not None]
+    proc = subprocess.run(["sbatch", "--test-only", *flags, "--wrap", "true"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        why = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+        raise ConfigError(f"Slurm would refuse the evaluation job (sbatch --test-only: {why}); fix eval.job.*")
 
 
 def hand_off(cfg: RunConfig, run_dir: Path, metrics: dict) -> dict:
@@ -76,12 +87,27 @@ def hand_off(cfg: RunConfig, run_dir: Path, metrics: dict) -> dict:
     import submitit
 
     run_dir = run_dir.resolve()
-    atomic_write_json(run_dir / TRAINED, {k: v for k, v in metrics.items() if k.startswith(TRAINING_KEYS)})
+    trained = {k: v for k, v in metrics.items() if k.startswith(TRAINING_KEYS)}
+    peaks = ("memory/peak_rss_gb", "memory/peak_gpu_gb")  # (the evaluation job's own keep these names)
+    trained.update({k.replace("memory/", "memory/training_job_"): v for k, v in metrics.items() if k in peaks})
+    atomic_write_json(run_dir / TRAINED, trained)
     job_cfg = evaluation_config(cfg, run_dir)
     # the Slurm launcher's job command (eaglelab/slurm_entry.py: a USR2 kept from the job's first instant)
     executor = submitit.SlurmExecutor(folder=run_dir / FOLDER / "%j", max_num_timeout=20, python=slurm_python())
     executor.update_parameters(**slurm_parameters(cfg, run_dir))
-    job = executor.submit(EvaluationJob(job_cfg, scratch_from_env=cfg.paths.scratch_dir == _default_scratch()))
+    evaluation = EvaluationJob(job_cfg, scratch_from_env=cfg.paths.scratch_dir == _default_scratch())
+    try:
+        # Without this job's Slurm and rendezvous variables (the evaluation job's ranks meet on its own nodes), with
+        # the cluster's configuration file where one is named
+        conf = os.environ.get("SLURM_CONF")
+        with submitit.helpers.clean_env():
+            os.environ.update({"SLURM_CONF": conf} if conf else {})
+            job = executor.submit(evaluation)
+    except Exception as e:
+        raise EaglelabError(
+            f"Slurm refused the evaluation job ({first_line(e)}); fix eval.job.* and run the same command again: "
+            "the trained drafter is kept and not trained again"
+        ) from None
     log.info("evaluation handed to Slurm job %s (log: %s); metrics.json appears when it ends", job.job_id,
              job.paths.stdout)  # fmt: skip
     return {"job_id": str(job.job_id), "log": str(job.paths.stdout)}
@@ -139,6 +165,7 @@ class EvaluationJob:
             cfg = replace(cfg, paths=replace(cfg.paths, scratch_dir=_default_scratch()))
         _log_to(Path(cfg.run_dir))
         preemption.install()
+        _wait_for_the_hand_off(Path(cfg.run_dir))
         run_dir = run(cfg)
         if is_primary():
             print("\n".join(run_summary(run_dir)), flush=True)
@@ -148,6 +175,21 @@ class EvaluationJob:
         import submitit
 
         return submitit.helpers.DelayedSubmission(self)
+
+
+def _wait_for_the_hand_off(run_dir: Path, timeout_s: float = 600.0) -> None:
+    """Until the training job has recorded the hand-off (run.json names this job): the training job's last write
+    comes after its submission, and must not land on this job's attempt."""
+    me, deadline = os.environ.get("SLURM_JOB_ID"), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if (json.loads((run_dir / "run.json").read_text()).get("evaluation_job") or {}).get("job_id") == me:
+                return
+        except (OSError, ValueError):
+            pass  # (being replaced: atomic, read again)
+        time.sleep(0.5)
+    log.warning("run.json does not name this job after %.0f s (the training job died after submitting it?); "
+                "evaluating anyway", timeout_s)  # fmt: skip
 
 
 def _log_to(run_dir: Path) -> None:

@@ -92,11 +92,13 @@ def run_as_primary(cfg: RunConfig, run_dir: Path) -> Path:
     try:
         with last_words(ended):
             metrics = execute(cfg, run_dir, record)
-        handed_off = record.evaluation_job is not None  # (its evaluation job logs the results)
-        if cfg.logger.kind == "wandb" and cfg.stage == "all" and not handed_off:  # (a prepare run has none)
-            from eaglelab.tracking import log_results_of
+        if cfg.logger.kind == "wandb" and cfg.stage == "all":  # (a prepare-only run has no results to show)
+            from eaglelab.tracking import finish_trained, log_results_of
 
-            log_results_of(cfg, run_dir, metrics, record)
+            if metrics is None:  # trained: the evaluation job logs the results into the same W&B run
+                finish_trained()
+            else:
+                log_results_of(cfg, run_dir, metrics, record)
     except BaseException as e:
         # A full disk, wherever it surfaced (cache, checkpoint, results): one line naming where and what to do.
         disk_full = as_disk_full(e, run_dir, cfg.paths.cache_dir)
@@ -116,12 +118,13 @@ def run_as_primary(cfg: RunConfig, run_dir: Path) -> Path:
         if disk_full is not None:
             raise disk_full from e
         raise
-    end_attempt(run_dir, record, metrics)
+    end_attempt(run_dir, record, metrics)  # (no metrics: trained, its evaluation handed to a job of its own)
     return run_dir
 
 
-def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
-    """The method, stage by stage; returns metrics.json's content ({} in a DDP helper process).
+def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict | None:
+    """The method, stage by stage; returns metrics.json's content ({} in a DDP helper process; None where rank 0
+    handed the evaluation to a job of its own, eaglelab.evaluation_job).
     `record` (run.json) gains the target, the evaluator and anything skipped."""
     timer, primary = StageTimer(), is_primary()
     if cfg.train.num_threads:
@@ -248,11 +251,12 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict:
                 speculators_dir = run_dir / FORMAT_DIRS["speculators"]
                 save_speculators(drafter, speculators_dir, str(serving.path), cfg.train.ttt_steps)
     if cfg.eval.job.enabled and cfg.checkpoint is None:  # the evaluation in a job of its own; this one ends here
-        if primary:
-            metrics.update({f"time/{k}_s": v for k, v in timer.seconds.items()})
-            metrics["time/training_job_s"] = time.time() - record.started
-            record.evaluation_job = evaluation_job.hand_off(cfg, run_dir, metrics)
-        return {}
+        if not primary:
+            return {}
+        metrics.update({f"time/{k}_s": v for k, v in timer.seconds.items()}, **measured_peaks(memory.device))
+        metrics["time/training_job_s"] = time.time() - record.started
+        record.evaluation_job = evaluation_job.hand_off(cfg, run_dir, metrics)
+        return None  # (run.json: trained)
     if use_vllm:
         barrier()  # the other ranks' engines read it once it is whole
     elif not primary:

@@ -64,7 +64,7 @@ class RunRecord:
     checkpoint: str | None = None  # evaluation only: the drafter evaluated
     evaluator: str | None = None  # simulated | simulated+vllm
     vllm_skipped: str | None = None  # why vLLM did not evaluate this drafter
-    evaluation_job: dict | None = None  # status "trained": the Slurm job evaluating it (job_id, log)
+    evaluation_job: dict | None = None  # the Slurm job evaluating it (job_id, log); later attempts keep it
     wandb_error: str | None = None
     signal: dict | None = None  # the signal that stopped this attempt: name, stage, the write it waited for
     error: str | None = None
@@ -85,6 +85,7 @@ class RunRecord:
             keys = ("attempt", "status", "signal", "error", "evaluation_job")
             ended = {k: previous[k] for k in keys if previous.get(k) is not None}
             record.earlier = previous.get("earlier", []) + [ended]
+            record.evaluation_job = previous.get("evaluation_job")
         return record
 
     def write(self, run_dir: Path) -> None:
@@ -98,8 +99,8 @@ def begin_attempt(cfg: RunConfig, run_dir: Path) -> RunRecord | None:
     if previous.get("status") == "complete":
         log.info("%s is complete: not run again", run_dir)
         return None
-    job = previous.get("evaluation_job") if previous.get("status") == "trained" else None
-    if job and job["job_id"] != os.environ.get("SLURM_JOB_ID") and still_queued(job):  # (a relaunched sweep)
+    job = previous.get("evaluation_job")  # (a relaunched sweep while the job evaluating the run is queued or runs)
+    if job and job["job_id"] != os.environ.get("SLURM_JOB_ID") and still_queued(job):
         log.info("%s is trained and its evaluation job %s is queued or running: not run again", run_dir, job["job_id"])
         return None
     record = RunRecord.start(cfg, previous)
@@ -115,7 +116,7 @@ def end_attempt(
     """Complete (metrics.json written last: it marks completion), trained (its evaluation handed to a job of its own:
     no metrics.json yet), interrupted or failed."""
     record.finished = time.time()
-    if error is None and record.evaluation_job is not None:
+    if error is None and metrics is None:
         record.status = "trained"
         record.write(run_dir)
         return

@@ -168,6 +168,15 @@ def finish_failed() -> None:
         wandb.run.finish(exit_code=1)
 
 
+def finish_trained() -> None:
+    """A trial whose evaluation was handed to a job of its own: its W&B run ends here, and the evaluation job resumes
+    it (the same id, RUN_DIR/wandb/run_id) with the results."""
+    import wandb
+
+    if wandb.run is not None:
+        wandb.run.finish()
+
+
 def log_results_of(cfg: RunConfig, run_dir: Path, metrics: dict, record) -> None:
     """W&B is a view of the results, not the results: a failure to log is reported (and kept in `record`, run.json's
     `wandb_error`), the run still completes."""

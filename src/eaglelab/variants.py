@@ -71,14 +71,16 @@ def gpus_per_node(devices: int, tensor_parallel: int, pipeline_parallel: int) ->
 # Llama-3.1-8B shapes with a 32k draft vocabulary), the target's embedding read by name (1.0 GB), and a process with
 # torch, CUDA's host side and the loader's workers (~3 GB); 1.3 GB to spare.
 RANK_HOST_GB = 7
+MIN_NODE_GB = 64
 
 
 def slurm_mem_gb(devices: int, prefetch_gb: float, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> int:
     """A node's --mem (the Slurm launcher's `mem_gb`): every rank's host memory, 8B-sized (RANK_HOST_GB), plus its
     read-ahead (8 ranks at the default 2 GB: 72 GB), or, where the data engine spans more GPUs (a large target's
-    `stage=prepare` job), as much for each of its workers (unmeasured: a vLLM worker's host side at most a rank's)."""
+    `stage=prepare` job), as much for each of its workers; never under the 64 GB asked before, which also holds the
+    vLLM engines a trial runs beside its ranks (their host side is unmeasured here)."""
     ranks = int(devices) * (RANK_HOST_GB + math.ceil(float(prefetch_gb)))
-    return max(ranks, int(tensor_parallel) * int(pipeline_parallel) * RANK_HOST_GB)
+    return max(ranks, int(tensor_parallel) * int(pipeline_parallel) * RANK_HOST_GB, MIN_NODE_GB)
 
 
 def slurm_python() -> str:

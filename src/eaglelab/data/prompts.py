@@ -332,14 +332,21 @@ def jsonl_prompts(path: str, skip_empty: bool = False, with_response: bool = Fal
 
 class _Lines:
     """Bytes of a file at an offset, through one descriptor per process (a forked worker opens its own) and no
-    buffer (each read is the file's current content)."""
+    buffer. The file is the one that was read and checked, or one line names the change."""
 
     def __init__(self, path: Path):
         self.path, self._fd, self._pid = path, None, None
+        self._seen = self._identity(os.stat(path))
+
+    @staticmethod
+    def _identity(st: os.stat_result) -> tuple:
+        return st.st_ino, st.st_size, st.st_mtime_ns
 
     def read(self, offset: int, size: int) -> bytes:
         if self._pid != os.getpid():
             self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
+        if self._identity(os.fstat(self._fd)) != self._seen or self._identity(os.stat(self.path)) != self._seen:
+            raise DataError(f"{self.path} changed since this run read it; run again once it stays as it is")
         return os.pread(self._fd, size, offset)
 
     def __del__(self):
@@ -484,6 +491,9 @@ class Drawn(Sequence):
         if isinstance(other, Drawn) and other.pools is self.pools:
             return Drawn(self.pools, self.picks + other.picks)
         return list(self) + list(other)
+
+    def __radd__(self, other):
+        return list(other) + list(self)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Sequence) and list(self) == list(other)
