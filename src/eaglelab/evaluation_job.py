@@ -27,7 +27,7 @@ from pathlib import Path
 from eaglelab.config import RunConfig, on_cuda
 from eaglelab.errors import ConfigError, EaglelabError, first_line
 from eaglelab.io import atomic_write_json
-from eaglelab.variants import slurm_python
+from eaglelab.variants import gpus_per_node, slurm_python
 
 log = logging.getLogger("eaglelab")
 
@@ -126,8 +126,8 @@ def slurm_parameters(cfg: RunConfig, run_dir: Path) -> dict:
     """sbatch's settings: eval.job's resources on the trial's tasks (every rank evaluates a share)."""
     job, t = cfg.eval.job, cfg.train
     gpus = job.gpus_per_node
-    if gpus is None and on_cuda(t.accelerator):
-        gpus = max(t.devices, cfg.eval.vllm.tensor_parallel_size)
+    if gpus is None and on_cuda(t.accelerator):  # (as the launcher sizes a trial's: the ranks' or the engine's)
+        gpus = gpus_per_node(t.devices, cfg.eval.vllm.tensor_parallel_size, 1)
     chosen = {"partition": job.partition, "account": job.account, "qos": job.qos, "gpus_per_node": gpus or None}
     return {
         "job_name": f"eval_{run_dir.name}",

@@ -266,8 +266,9 @@ def prompt_sets(
         for messages in prompts:
             if turn_by_turn and is_multi_turn(messages):
                 n = longest_prompt(messages, lambda m: render(target.tokenizer, m), max_new_tokens)
-                first = len(native(target.tokenizer, history(messages, rounds(messages)[0], [])))
-                out.append((n, first + 8 <= limit, len(rounds(messages))))
+                answered = rounds(messages)
+                first = len(native(target.tokenizer, history(messages, answered[0], [])))
+                out.append((n, first + 8 <= limit, len(answered)))
             else:
                 n = len(render(target.tokenizer, messages))
                 out.append((n, n + 8 <= limit, 1))

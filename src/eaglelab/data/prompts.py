@@ -253,6 +253,12 @@ def _conversation_from_row(row: dict, where: str, with_response: bool = False) -
     return conv[: last_user + 2]
 
 
+def question(messages: Messages) -> Messages:
+    """What the target is asked: the messages before any answer (a prompt that keeps its source's own answer,
+    data.responses=original, without it)."""
+    return messages[:-1] if messages[-1]["role"] == "assistant" else messages
+
+
 def _check_empty(empty: list[str], skip_empty: bool, with_response: bool = False) -> None:
     """`empty`: where the conversations without a user turn to answer (and, `with_response`, the source's answer to
     it) are. An empty one is bad input (a broken export, a filter that went wrong) unless data.skip_empty=true says

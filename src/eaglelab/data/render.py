@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eaglelab.data.entry import CaptureSettings, SetRequest
-from eaglelab.data.prompts import Messages
+from eaglelab.data.prompts import Messages, question
 from eaglelab.data.regenerate import response_budget, stop_ids
 from eaglelab.data.templates import template_prompt, template_response
 from eaglelab.data.turns import history, is_multi_turn, longest_prompt, original_turns, rounds
@@ -63,8 +63,7 @@ class Questions(Sequence):
         return len(self.rows)
 
     def __getitem__(self, j: int) -> Messages:
-        messages = self.prompts[self.rows[j]]
-        return messages[:-1] if messages[-1]["role"] == "assistant" else messages
+        return question(self.prompts[self.rows[j]])
 
 
 def render_prompts(
@@ -78,15 +77,15 @@ def render_prompts(
     chat = lambda m: template_prompt(target.tokenizer, m, system_prompt)  # noqa: E731
     respond = lambda m, ids: template_response(target.tokenizer, m, system_prompt, ids, set(out.stops))  # noqa: E731
     for row, (messages, validation) in enumerate(zip(prompts, is_val or [False] * len(prompts), strict=True)):
-        question = messages[:-1] if messages[-1]["role"] == "assistant" else messages
-        every_turn = turns == "all" and render is None and is_multi_turn(question)
-        if every_turn and question is not messages:  # the source's turns, each a span
+        asked = question(messages)
+        every_turn = turns == "all" and render is None and is_multi_turn(asked)
+        if every_turn and asked is not messages:  # the source's turns, each a span
             said = original_turns(messages, chat, respond)
             ids, size = said.prompt, len(said.prompt)
         elif every_turn:
-            ids, size = chat(history(question, rounds(question)[0], [])), longest_prompt(question, chat, max_new_tokens)
+            ids, size = chat(history(asked, rounds(asked)[0], [])), longest_prompt(asked, chat, max_new_tokens)
         else:
-            ids = render(target.tokenizer, question) if render else chat(question)
+            ids = render(target.tokenizer, asked) if render else chat(asked)
             size = len(ids)
         if len(ids) + 8 > limit:
             out.skipped += 1
@@ -96,8 +95,8 @@ def render_prompts(
         out.rows.append(row)
         out.multi.append(every_turn)
         out.sizes.append(size)
-        out.spans.append(said.spans if every_turn and question is not messages else [])
-        if question is not messages:
+        out.spans.append(said.spans if every_turn and asked is not messages else [])
+        if asked is not messages:
             answer = said.response if every_turn else respond(messages, ids)
             out.originals.append(answer[: response_budget(len(ids), max_new_tokens, limit)])
     if out.originals and len(out.originals) != len(out.templated):

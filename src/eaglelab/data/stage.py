@@ -19,7 +19,7 @@ from eaglelab.acceptance import tail_tokens
 from eaglelab.config import RunConfig, max_k, resolve_capture_backend
 from eaglelab.data.entry import CaptureSettings, SetRequest
 from eaglelab.data.prepare import PrepareStats, prepare_features
-from eaglelab.data.prompts import hold_out_for_validation, load_source, mix_sources, subset
+from eaglelab.data.prompts import hold_out_for_validation, load_source, mix_sources, question, subset
 from eaglelab.data.self_chat import self_chat_prompts
 from eaglelab.drafter import Eagle3Config
 from eaglelab.errors import ConfigError
@@ -87,7 +87,6 @@ def select_prompts(cfg: RunConfig, target: Target | None = None) -> Prompts:
         self_chat=self_chat,
     )
     held_out = {json.dumps(p, sort_keys=True) for p in eval_prompts}
-    question = lambda p: p[:-1] if p[-1]["role"] == "assistant" else p  # noqa: E731  (original responses)
     kept = [i for i, p in enumerate(train_prompts) if json.dumps(question(p), sort_keys=True) not in held_out]
     if len(kept) < len(train_prompts):
         log.warning("dropped %d training prompts that are also evaluation prompts", len(train_prompts) - len(kept))
