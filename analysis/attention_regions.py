@@ -21,7 +21,6 @@ over drafts; then over the seeds of a setup (± SE). Writes DIR/attention_region
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -30,8 +29,9 @@ import numpy as np
 import pandas as pd
 import torch
 
+from analysis import cli
 from analysis.drift_check import drafts, load_run, single_turn
-from analysis.store import load_or_exit, setups
+from analysis.store import setups
 
 REGIONS = ("first token", "prompt", "earlier answer", "local context", "own drafts")
 
@@ -67,7 +67,7 @@ def plot(table: pd.DataFrame, out: Path) -> Path:
     """One panel per setup: the regions' shares stacked by depth."""
     import matplotlib.pyplot as plt
 
-    from eaglelab.plots import save_figure
+    from eaglelab.evaluate.plots import save_figure
 
     names = list(dict.fromkeys(table["setup"]))
     fig, axes = plt.subplots(1, len(names), figsize=(3.4 * len(names) + 1.4, 3.2), sharey=True, squeeze=False)
@@ -88,16 +88,13 @@ def plot(table: pd.DataFrame, out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("roots", nargs="+", type=Path, help="results directories or run directories")
+    ap = cli.parser(__doc__)
     ap.add_argument("--sequences", type=int, default=8, help="the first N of each run's drift sequences")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)  # small products one after another: more threads only wait on each other
-    runs = [r for r in load_or_exit(args.roots) if (r.dir / "suites" / "drift_inputs.json").is_file()]
+    runs = [r for r in cli.load_or_exit(args.roots) if (r.dir / "suites" / "drift_inputs.json").is_file()]
     if not runs:
-        print("error: no finished run has suites/drift_inputs.json; evaluate with the drift suite on", file=sys.stderr)
-        return 2
+        return cli.fail("no finished run has suites/drift_inputs.json; evaluate with the drift suite on")
     per_run = []
     for label, members in setups(runs).items():
         for r in members:
@@ -126,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "attention_regions.md").write_text(text)
     figure = plot(table, args.out)
     print(text)
-    print(f"-> {args.out / 'attention_regions.csv'}, {args.out / 'attention_regions.md'}, {figure}")
+    cli.wrote([args.out / "attention_regions.csv", args.out / "attention_regions.md", figure])
     return 0
 
 

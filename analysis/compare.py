@@ -10,15 +10,15 @@ Directories that are not readable finished runs are named on stderr and skipped.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import math
 import re
 import sys
 from pathlib import Path
 
+from analysis import cli
 from analysis.paired import paired_rows
-from analysis.store import Run, add_seed_stats, load_or_exit, setups
+from analysis.store import Run, add_seed_stats, setups
 
 
 def _keyed(metrics: dict, pattern: str) -> dict[str, float]:
@@ -158,12 +158,8 @@ def write(rows: list[dict], out: Path, reference: str) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("roots", nargs="+", type=Path, help="results directories or run directories")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
-    ap.add_argument("--reference", default="eagle3", help="variant τ is compared against")
-    args = ap.parse_args(argv)
-    runs = load_or_exit(args.roots)
+    args = cli.parser(__doc__, reference="variant τ is compared against").parse_args(argv)
+    runs = cli.load_or_exit(args.roots)
     rows = comparison(runs, args.reference)
     write(rows, args.out, args.reference)
     print(markdown(rows, args.reference))

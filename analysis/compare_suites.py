@@ -13,7 +13,6 @@ A directory without metrics.json (running, failed, interrupted) is named and ski
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import sys
@@ -21,7 +20,15 @@ from pathlib import Path
 
 import yaml
 
-from eaglelab.plots import PALETTE, plt, save_figure, template_bars  # the runs' own style and colour-blind palette
+from analysis import cli
+from eaglelab.evaluate.plots import (  # the runs' own style and colour-blind palette
+    PALETTE,
+    drift_figure,
+    plt,
+    save_figure,
+    table_curve,
+    template_bars,
+)
 
 
 def read_csv(path: Path) -> list[dict]:
@@ -33,7 +40,7 @@ def read_csv(path: Path) -> list[dict]:
 
 def load_run(run_dir: Path) -> dict | None:
     if not (run_dir / "metrics.json").is_file():
-        print(f"skipped {run_dir}: no metrics.json (not a finished run)", file=sys.stderr)
+        cli.warn(f"skipped {run_dir}: no metrics.json (not a finished run)")
         return None
     info = json.loads((run_dir / "run.json").read_text())
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
@@ -124,23 +131,14 @@ def write_table(rows: list[dict], path: Path) -> None:
 
 
 def plot_drift(runs: list[dict], out: Path) -> None:
-    panels = [
-        ("hidden_rms", "RMS of the state fed to step j", "RMS (‖x‖/√d)"),
-        ("sink_share", "attention on the first token", "share"),
-        ("recent_share", "attention on the most recent keys", "share"),
-        ("context_share", "attention on verified context", "share"),
-    ]
-    fig, axes = plt.subplots(1, 4, figsize=(14, 3.4), constrained_layout=True)
-    for run, color in zip(runs, PALETTE):
-        depth = [int(r["depth"]) for r in run["drift"]]
-        for ax, (column, _, _) in zip(axes, panels):
-            ax.plot(depth, [float(r[column]) for r in run["drift"]], "o-", color=color, label=run["label"])
-    for ax, (_, title, ylabel) in zip(axes, panels):
-        ax.set(xlabel="draft depth j", ylabel=ylabel, title=title)
-        ax.grid(alpha=0.3)
-    axes[0].legend(frameon=False, fontsize=8)
-    fig.suptitle("attention drift per draft depth (held-out prompts, in-house)", fontsize=10)
-    save_figure(fig, out / "drift.png")
+    panels = ("hidden_rms", "sink_share", "recent_share", "context_share")
+    drift_figure(
+        [table_curve(run["drift"], panels, run["label"], color) for run, color in zip(runs, PALETTE)],
+        out / "drift.png",
+        "attention drift per draft depth (held-out prompts, in-house)",
+        panels,
+        ylabels=dict.fromkeys(panels[1:], "share"),
+    )
 
 
 def plot_long_context(runs: list[dict], out: Path) -> None:
@@ -195,10 +193,9 @@ def plot_extrapolation(runs: list[dict], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = cli.parser(__doc__, roots=False, out=None, reference="variant every ratio is taken against")
     ap.add_argument("runs", nargs="+", type=Path)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--reference", default="eagle3", help="variant every ratio is taken against")
     ap.add_argument(
         "--evaluator",
         default="preferred",
@@ -210,11 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     EVALUATOR = args.evaluator
     runs = [r for r in map(load_run, args.runs) if r is not None]
     if not runs:
-        print(
-            "error: no finished run among the given directories; pass run directories with metrics.json",
-            file=sys.stderr,
-        )
-        return 2
+        return cli.fail("no finished run among the given directories; pass run directories with metrics.json")
     runs.sort(key=lambda r: (-r["ttt"], r["variant"]))
     args.out.mkdir(parents=True, exist_ok=True)
     write_table([summary_row(r) for r in runs], args.out / "suites_comparison")

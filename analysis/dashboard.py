@@ -13,16 +13,15 @@ A dry run writes the specification `Report.save()` would upload (blocks, panels,
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import sys
 from pathlib import Path
 
-from analysis.store import load_or_exit
-from eaglelab.errors import first_line
-from eaglelab.tracking import DRIFT_MEASURES  # the curves eaglelab.tracking logs
+from analysis import cli
+from eaglelab.core.errors import first_line
+from eaglelab.results.tracking import DRIFT_MEASURES  # the curves eaglelab.results.tracking logs
 
 SEEDS = dict(groupby_aggfunc="mean", groupby_rangefunc="stderr")  # every panel: mean ± SE over seeds
 
@@ -196,18 +195,16 @@ def specification(report) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("roots", nargs="+", type=Path, help="results directories or run directories")
+    ap = cli.parser(__doc__, out=None)
     ap.add_argument("--project", default="eaglelab")
     ap.add_argument("--entity", default=os.environ.get("WANDB_ENTITY"), help="W&B entity (or WANDB_ENTITY)")
     ap.add_argument("--group", help="only the runs of this W&B group (a sweep's folder name)")
     ap.add_argument("--title", default="EAGLE-3 vs EAGLE-3.1: acceptance length under shifted conditions")
     ap.add_argument("--dry-run", type=Path, metavar="SPEC.json", help="write the specification instead of saving")
     args = ap.parse_args(argv)
-    runs = load_or_exit(args.roots)
+    runs = cli.load_or_exit(args.roots)
     if not args.dry_run and not args.entity:
-        print("error: no W&B entity; pass --entity NAME (or set WANDB_ENTITY), or --dry-run SPEC.json", file=sys.stderr)
-        return 2
+        return cli.fail("no W&B entity; pass --entity NAME (or set WANDB_ENTITY), or --dry-run SPEC.json")
     report = build_report(runs, args.project, args.entity or "", args.group, args.title)
     if args.dry_run:
         spec = specification(report)
@@ -219,12 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report.save()
     except Exception as e:  # not logged in, no network, no such project
-        print(
-            f"error: could not save the report to W&B ({first_line(e)}); run `wandb login` and "
-            "`wandb sync` the runs first, or use --dry-run SPEC.json",
-            file=sys.stderr,
+        return cli.fail(
+            f"could not save the report to W&B ({first_line(e)}); run `wandb login` and "
+            "`wandb sync` the runs first, or use --dry-run SPEC.json"
         )
-        return 2
     print(report.url)
     return 0
 

@@ -2,7 +2,7 @@
 
     python analysis/drift_check.py RUN_DIR [--tolerance 1e-4]
 
-The drift suite (eaglelab.drift) reads the probabilities of the drafter's training-time-test unroll, the whole
+The drift suite (eaglelab.evaluate.drift) reads the probabilities of the drafter's training-time-test unroll, the whole
 sequence at once. This file shares none of that code: it reads the export (config.json + model.safetensors, vLLM's
 names) and the target's embedding, and drafts the way an inference engine does: one position at a time into a
 KV cache (the verified context), then a chain of drafts from each verified position t whose keys go in the slots
@@ -25,7 +25,6 @@ their values) and exits 1 past the tolerance.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -37,6 +36,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file
 from tqdm.auto import tqdm
+
+from analysis import cli
 
 MEASURES = ("hidden_rms", "sink_share", "context_share", "draft_share", "recent_share", "entropy")
 RELATIVE = ("hidden_rms", "entropy")  # compared relative to their size; the shares (in [0, 1]) absolutely
@@ -301,7 +302,7 @@ def gaps(suite: list[dict], check: list[dict]) -> dict[str, tuple[float, int]]:
 def main(argv: list[str] | None = None) -> int:
     import csv
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = cli.parser(__doc__, roots=False, out=None)
     ap.add_argument("run_dir", type=Path)
     ap.add_argument(
         "--tolerance", type=float, default=1e-4, help="largest gap allowed (hidden_rms, entropy: relative; entropy 10x)"

@@ -16,16 +16,15 @@ is *reproduced* when our interval for the same quantity excludes 0 on the paper'
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
 
 import pandas as pd
 
+from analysis import cli
 from analysis.paired import DRIFT, MIN_COUNT, depth_change_rows, drift_paired_rows
-from analysis.store import load_or_exit
-from eaglelab.variants import VARIANT_FLAGS, VARIANTS
+from eaglelab.models.variants import VARIANT_FLAGS, VARIANTS
 
 # The paper's values (depth 1 -> depth 8), EAGLE-3 and EAGLE-3.1: RMS of the fed state, attention on the first
 # token, attention on the most recent tokens. context_share it states in words only: EAGLE-3 moves its attention
@@ -245,26 +244,20 @@ def write(paired: list[dict], changes: list[dict], paper: list[dict], out: Path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("roots", nargs="+", type=Path, help="results directories or run directories")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
-    ap.add_argument("--reference", default="eagle3")
-    ap.add_argument("--resamples", type=int, default=2000)
+    ap = cli.parser(__doc__, reference="the variant each one is paired with", resamples=True)
     args = ap.parse_args(argv)
-    runs = load_or_exit(args.roots)
+    runs = cli.load_or_exit(args.roots)
     paired, changes, paper = tables(runs, args.reference, count=args.resamples)
     if not paired:
-        print(
-            f"error: no variant has a {args.reference} twin with suites/drift_per_prompt.csv for a shared seed; "
-            "evaluate both with the drift suite on, e.g. `python src/run.py -m +sweep=paper`",
-            file=sys.stderr,
+        return cli.fail(
+            f"no variant has a {args.reference} twin with suites/drift_per_prompt.csv for a shared seed; "
+            "evaluate both with the drift suite on, e.g. `python src/run.py -m +sweep=paper`"
         )
-        return 2
     paths = write(paired, changes, paper, args.out)
     print(paired_markdown(paired, changes))
     if paper:
         print(paper_markdown(paper))
-    print(f"-> {', '.join(map(str, paths))}")
+    cli.wrote(paths)
     return 0
 
 

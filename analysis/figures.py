@@ -12,17 +12,23 @@ the comparison table and the per-run speedup figure.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
 
 import pandas as pd
 
+from analysis import cli
 from analysis.paired import MIN_COUNT, paired_rows, setup_levels
 from analysis.scaling import DEEP_K, scaling_rows
-from analysis.store import Run, aggregate, load_or_exit, setups
-from eaglelab.plots import PALETTE, plt, save_figure  # the runs' own palette and PNG+PDF saving
+from analysis.store import Run, aggregate, setups
+from eaglelab.evaluate.plots import (  # the runs' own palette, lines and PNG+PDF saving
+    PALETTE,
+    Curve,
+    drift_figure,
+    plt,
+    save_figure,
+)
 
 plt.rcParams.update(
     {
@@ -52,27 +58,36 @@ def seed_frames(members: list[Run], table: str, **where) -> list[pd.DataFrame]:
     return out
 
 
-def _curve(ax, groups, colors, table, x, y, log_x: bool = False, **where) -> bool:
-    """One line per setup: mean over its seeds, ± standard error. Setups are dodged sideways a little so
-    that overlapping lines and error bars stay visible."""
-    drawn = False
+def seed_curves(groups, colors, table, x, ys, log_x: bool = False, **where) -> list[Curve]:
+    """One curve per setup with rows in `table`: each column of `ys` by `x`, mean over its seeds ± standard error.
+    Setups are dodged sideways a little so that overlapping lines and error bars stay visible."""
+    curves = []
     for i, (label, members) in enumerate(groups.items()):
         if frames := seed_frames(members, table, **where):
-            agg = aggregate(frames, [x], y)
+            aggs = {y: aggregate(frames, [x], y) for y in ys}
+            at = aggs[ys[0]][x]
             shift = (i - (len(groups) - 1) / 2) * 0.04
-            xs = agg[x] * (1 + shift / 2) if log_x else agg[x] + shift
-            ax.errorbar(
-                xs,
-                agg["mean"],
-                yerr=agg["se"],
-                fmt=f"{MARKERS[i // len(PALETTE) % len(MARKERS)]}-",
-                color=colors[label],
-                label=f"{label} (n={len(frames)})",
-                **ERR,
+            curves.append(
+                Curve(
+                    f"{label} (n={len(frames)})",
+                    colors[label],
+                    at * (1 + shift / 2) if log_x else at + shift,
+                    {y: agg["mean"] for y, agg in aggs.items()},
+                    {y: agg["se"] for y, agg in aggs.items()},
+                    fmt=f"{MARKERS[i // len(PALETTE) % len(MARKERS)]}-",
+                    style=ERR,
+                )
             )
-            drawn = True
+    return curves
+
+
+def _curve(ax, groups, colors, table, x, y, log_x: bool = False, **where) -> bool:
+    """One line per setup (`seed_curves`) on `ax`; False when no setup has rows in `table`."""
+    curves = seed_curves(groups, colors, table, x, [y], log_x, **where)
+    for curve in curves:
+        curve.draw(ax, y)
     ax.grid(alpha=0.3)
-    return drawn
+    return bool(curves)
 
 
 def fig_tau_vs_k(groups, colors, out: Path) -> Path | None:
@@ -254,20 +269,11 @@ def fig_templates(groups, colors, out: Path) -> Path | None:
 
 
 def fig_drift(groups, colors, out: Path) -> Path | None:
-    panels = [
-        ("hidden_rms", "RMS of the state fed to step j", "RMS (‖x‖/√d)"),
-        ("sink_share", "attention on the first token", "share of attention"),
-        ("context_share", "attention on verified context", "share of attention"),
-        ("recent_share", "attention on the most recent keys", "share of attention"),
-    ]
-    fig, axes = plt.subplots(1, 4, figsize=(13, 3.7), constrained_layout=True)
-    for ax, (column, title, ylabel) in zip(axes, panels):
-        if not _curve(ax, groups, colors, "suites/drift", "depth", column):
-            return plt.close(fig)
-        ax.set(xlabel="draft depth j", ylabel=ylabel, title=title)
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncol=len(groups), frameon=False)
-    fig.suptitle("attention drift per draft depth (held-out prompts)", fontsize=9)
-    return save_figure(fig, out / "drift.png")
+    panels = ("hidden_rms", "sink_share", "context_share", "recent_share")
+    if not (curves := seed_curves(groups, colors, "suites/drift", "depth", panels)):
+        return None
+    title = "attention drift per draft depth (held-out prompts)"
+    return drift_figure(curves, out / "drift.png", title, panels, figsize=(13, 3.7), title_size=9, legend_below=True)
 
 
 def fig_fc_balance(groups, colors, out: Path) -> Path | None:
@@ -378,11 +384,8 @@ def draw_all(runs: list[Run], out: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("roots", nargs="+", type=Path)
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out" / "figures")
-    args = ap.parse_args(argv)
-    runs = load_or_exit(args.roots)
+    args = cli.parser(__doc__, out=cli.OUT / "figures").parse_args(argv)
+    runs = cli.load_or_exit(args.roots)
     for path in draw_all(runs, args.out):
         print(path, path.with_suffix(".pdf"))
     return 0

@@ -24,7 +24,6 @@ DIR/paired_suites.{csv,md}.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import warnings
@@ -35,7 +34,8 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from analysis.store import Run, load_or_exit, setups
+from analysis import cli
+from analysis.store import Run, setups
 
 MDE_Z = float(stats.norm.ppf(0.975) + stats.norm.ppf(0.8))  # 2.80: two-sided 5% test, 80% power
 PER_PROMPT = ("per_prompt", "per_prompt_depth")
@@ -58,7 +58,14 @@ class Sums:
 
 HELD_OUT = "held_out"  # the scope of the held-out prompts (per_prompt.csv); a suite's are "long_context/512", ...
 DRIFT_SCOPE = "drift"  # the drift suite's held-out sequences (suites/drift_per_prompt.csv)
-DRIFT = ("hidden_rms", "sink_share", "context_share", "draft_share", "recent_share", "entropy")  # eaglelab.drift
+DRIFT = (
+    "hidden_rms",
+    "sink_share",
+    "context_share",
+    "draft_share",
+    "recent_share",
+    "entropy",
+)  # eaglelab.evaluate.drift
 
 
 def scoped(run: Run, scope: str) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -254,7 +261,7 @@ def _paired_rows(runs: list[Run], reference: str, count: int, suites: bool = Fal
         needed = ["suites/drift_per_prompt"] if drift else PER_PROMPT
         if not seeds or not all(all(t in r.tables for t in needed) for r in both):
             if not (suites or drift):  # (said once: the held-out pass is made first)
-                print(f"skipped {label} vs {ref_label}: no seed with per-prompt tables on both sides", file=sys.stderr)
+                cli.warn(f"skipped {label} vs {ref_label}: no seed with per-prompt tables on both sides")
             continue
         for scope in [DRIFT_SCOPE] if drift else suite_scopes(both) if suites else [HELD_OUT]:
             prompts = sorted(set.intersection(*(set(prompts_of(r, scope)) for r in both)))
@@ -432,32 +439,26 @@ def write(rows: list[dict], out: Path, suite_rows: list[dict] = ()) -> list[Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("roots", nargs="+", type=Path, help="results directories or run directories")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
-    ap.add_argument(
-        "--reference",
-        default="eagle3",
-        help="the variant every other one is paired with, or a setting as the setup labels write it "
+    ap = cli.parser(
+        __doc__,
+        reference="the variant every other one is paired with, or a setting as the setup labels write it "
         "(tokens_per_batch=None): each setup paired with its twin at that setting",
+        resamples=True,
     )
-    ap.add_argument("--resamples", type=int, default=2000)
     args = ap.parse_args(argv)
-    runs = load_or_exit(args.roots)
+    runs = cli.load_or_exit(args.roots)
     rows = paired_rows(runs, args.reference, args.resamples)
     if not rows:
-        print(
-            f"error: no setup has a {args.reference} twin with per-prompt tables (per_prompt.csv) for a shared seed; "
-            f"train both, e.g. `python src/run.py -m +sweep=paper`",
-            file=sys.stderr,
+        return cli.fail(
+            f"no setup has a {args.reference} twin with per-prompt tables (per_prompt.csv) for a shared seed; "
+            f"train both, e.g. `python src/run.py -m +sweep=paper`"
         )
-        return 2
     suite_rows = suite_paired_rows(runs, args.reference, args.resamples)
     paths = write(rows, args.out, suite_rows)
     print(markdown(rows))
     if suite_rows:
         print(suite_markdown(suite_rows))
-    print(f"-> {', '.join(map(str, paths))}")
+    cli.wrote(paths)
     return 0
 
 

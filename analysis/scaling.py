@@ -12,14 +12,14 @@ no line measured at two data sizes has no scaling to show (exit status 1, nothin
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
 
+from analysis import cli
 from analysis.compare import cell
-from analysis.store import DATA_SIZE, Run, add_seed_stats, data_sizes, load_or_exit
-from eaglelab.io import write_csv
+from analysis.store import DATA_SIZE, Run, add_seed_stats, data_sizes
+from eaglelab.core.io import write_csv
 
 DEEP_K = 8  # past the trained depth: every run measures k = 1 … max(8, 2·ttt_steps+2)
 
@@ -83,13 +83,10 @@ def write(rows: list[dict], out: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("roots", nargs="+", type=Path, help="results directories or run directories")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
-    args = ap.parse_args(argv)
-    rows = scaling_rows(load_or_exit(args.roots))
+    args = cli.parser(__doc__).parse_args(argv)
+    rows = scaling_rows(cli.load_or_exit(args.roots))
     if not rows:
-        print(f"no setup was trained at two data sizes ({DATA_SIZE}); see sweeps/data_scaling.yaml", file=sys.stderr)
+        cli.warn(f"no setup was trained at two data sizes ({DATA_SIZE}); see sweeps/data_scaling.yaml")
         return 1
     write(rows, args.out)
     print(markdown(rows))

@@ -21,13 +21,13 @@ import pandas as pd
 import yaml
 from scipy import stats
 
-from eaglelab.variants import VARIANT_FLAGS
+from eaglelab.models.variants import VARIANT_FLAGS
 
 # Config keys that do not change what was measured (where results went, how they were logged).
 NOT_SETUP = ("train.seed", "run_dir", "paths.", "logger.", "checkpoint", "hydra.", "objective")
 # The data-scaling axis (sweeps/data_scaling.yaml): a setup's label without it is one line of the scaling figure.
 DATA_SIZE = "data.num_prompts"
-# The flags a variant fixes (eaglelab.variants): implied by the variant's name, not shown in labels.
+# The flags a variant fixes (eaglelab.models.variants): implied by the variant's name, not shown in labels.
 ABLATION_FLAGS = tuple(f"drafter.{flag}" for flag in VARIANT_FLAGS)
 RESULT_TABLES = [
     "acceptance.csv",
@@ -182,15 +182,6 @@ def load(roots: list[Path], warn=lambda msg: print(msg, file=sys.stderr), duplic
             )
         kept[(r.setup, r.seed)] = r
     return sorted(kept.values(), key=lambda r: (r.setup, r.seed))
-
-
-def load_or_exit(roots: list[Path]) -> list[Run]:
-    """`load` for a command line: no finished run is one `error:` line and exit status 2."""
-    try:
-        return load(roots)
-    except StoreError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 def _short(value) -> str:

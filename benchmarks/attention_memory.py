@@ -13,7 +13,7 @@ during the step less the RSS before it (model, optimizer-free). Modes:
   fused         `scaled_dot_product_attention` with the own drafts merged through the sink key (the default)
   checkpointed  fused, with train.activation_checkpointing (each decoder layer recomputed in the backward pass)
 
-Beside each fused figure: the estimate eaglelab's memory check makes for the same step (`limits.ttt_kept_bytes` +
+Beside each fused figure: the estimate eaglelab's memory check makes for the same step (`plan.costs.ttt_kept_bytes` +
 `unroll_alive_bytes`), and the largest logit gap between the fused and the explicit forward (no gradients).
 """
 
@@ -35,11 +35,11 @@ def rss_bytes() -> int:
 def one(length: int, mode: str, batch: int, ttt: int, precision: str) -> dict:
     import torch
 
-    from eaglelab.batches import Batch
-    from eaglelab.config import TrainConfig
-    from eaglelab.drafter import Eagle3Config
-    from eaglelab.limits import ttt_kept_bytes, unroll_alive_bytes
-    from eaglelab.training import DrafterModule
+    from eaglelab.core.config import TrainConfig
+    from eaglelab.models.drafter import Eagle3Config
+    from eaglelab.plan.costs import ttt_kept_bytes, unroll_alive_bytes
+    from eaglelab.train.batches import Batch
+    from eaglelab.train.ttt_module import DrafterModule
 
     torch.manual_seed(0)
     s = SHAPE

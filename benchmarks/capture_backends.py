@@ -25,11 +25,11 @@ def compare(target_kind: str, dtype: str, prompts: int, max_new_tokens: int, cac
 
     import torch
 
-    from eaglelab.config import TargetConfig
-    from eaglelab.data.entry import CaptureSettings, SetRequest
-    from eaglelab.data.prepare import prepare_features
+    from eaglelab.core.config import TargetConfig
+    from eaglelab.data.cache_entry import CaptureSettings, SetRequest
+    from eaglelab.data.prepare_set import prepare_features
     from eaglelab.data.prompts import mix_sources
-    from eaglelab.targets import load_target
+    from eaglelab.data.targets import load_target
 
     target = load_target(TargetConfig(kind=target_kind, dtype=dtype), cache_dir)
     aux = target.default_aux_layer_ids()
@@ -68,9 +68,9 @@ def compare(target_kind: str, dtype: str, prompts: int, max_new_tokens: int, cac
 
 def reference_states(target_kind: str, cache_dir: str, aux: list[int], items: list[dict]) -> list[dict]:
     """The float32 target's states of the same sequences (HF capture, not rounded to bf16)."""
-    from eaglelab.config import TargetConfig
+    from eaglelab.core.config import TargetConfig
     from eaglelab.data.capture import capture_batch
-    from eaglelab.targets import load_target
+    from eaglelab.data.targets import load_target
 
     target = load_target(TargetConfig(kind=target_kind, dtype="float32"), cache_dir)
     out = []

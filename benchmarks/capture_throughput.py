@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 
-from eaglelab.config import TargetConfig
+from eaglelab.core.config import TargetConfig
 from eaglelab.data.capture import capture_batch
 from eaglelab.data.prompts import humaneval_prompts
 from eaglelab.data.regenerate import generate
 from eaglelab.data.store import bf16_bits
+from eaglelab.data.targets import load_target
 from eaglelab.data.templates import template_prompt
-from eaglelab.targets import load_target
 
 
 def main():

@@ -33,10 +33,10 @@ def module_for(name: str, device: str = "cpu"):
     import torch
     from lightning.fabric.utilities.apply_func import move_data_to_device
 
-    from eaglelab.batches import Batch
-    from eaglelab.config import TrainConfig
-    from eaglelab.drafter import Eagle3Config
-    from eaglelab.training import DrafterModule
+    from eaglelab.core.config import TrainConfig
+    from eaglelab.models.drafter import Eagle3Config
+    from eaglelab.train.batches import Batch
+    from eaglelab.train.ttt_module import DrafterModule
 
     c = CONFIGS[name]
     torch.manual_seed(0)
@@ -74,7 +74,7 @@ def module_for(name: str, device: str = "cpu"):
 def measure(name: str, saves: int, steps_after: int, device: str = "cpu") -> dict:
     from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
-    from eaglelab.training import AtomicCheckpointIO
+    from eaglelab.train.ttt_module import AtomicCheckpointIO
 
     module, opt, step = module_for(name, device)
     checkpoint = {"state_dict": module.state_dict(), "optimizer_states": [opt.state_dict()], "global_step": 1}

@@ -1,5 +1,5 @@
 """The training data's disk and read bandwidth at the field's scale, computed (nothing runs, nothing is downloaded)
-with the `data_plan` the run's preflight prints (eaglelab.limits):
+with the `data_plan` the run's preflight prints (eaglelab.plan.costs):
 
     python benchmarks/data_plan.py [--target llama-3.1-8b|llama-3.3-70b] [--conversations 200000]
                                    [--tokens 2048] [-- overrides]
@@ -19,9 +19,10 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from transformers import LlamaConfig
 
-from eaglelab.config import to_run_config
-from eaglelab.drafter import Eagle3Config
-from eaglelab.limits import PromptSet, data_plan, size_text
+from eaglelab.core.config import to_run_config
+from eaglelab.core.io import size_text
+from eaglelab.models.drafter import Eagle3Config
+from eaglelab.plan.costs import PromptSet, data_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {  # config.json of each (hidden, intermediate, heads, KV heads, layers, vocabulary)

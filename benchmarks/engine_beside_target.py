@@ -5,7 +5,7 @@
 
 On one GPU, a training process holds its target (16 GB for Llama-3.1-8B in bf16) when data preparation starts a
 vLLM engine. vLLM 0.32 asks for 0.92 of the device by default and refuses to start when less is free, so eaglelab
-gives each engine a share of what is free on the process's own device (`eaglelab.devices.engine_placement`). This
+gives each engine a share of what is free on the process's own device (`eaglelab.core.devices.engine_placement`). This
 runs that situation for real: the tiny target is loaded onto the device, `--hold-gb` more is held there beside it
 (the rest of an 8B target, as one tensor), then the prompts are regenerated through eaglelab's own path
 (`prepare_features`, backend vllm: the engine process starts while both are held), and again with the HF backend
@@ -33,12 +33,12 @@ VLLM_DEFAULT_UTILIZATION = 0.92  # vLLM 0.32's gpu_memory_utilization when none 
 def run(args) -> dict:
     import torch
 
-    from eaglelab.config import TargetConfig, TinyTargetConfig
-    from eaglelab.data.entry import CaptureSettings, SetRequest
-    from eaglelab.data.prepare import prepare_features
+    from eaglelab.core.config import TargetConfig, TinyTargetConfig
+    from eaglelab.core.devices import engine_placement, local_cuda_device
+    from eaglelab.data.cache_entry import CaptureSettings, SetRequest
+    from eaglelab.data.prepare_set import prepare_features
     from eaglelab.data.prompts import mix_sources
-    from eaglelab.devices import engine_placement, local_cuda_device
-    from eaglelab.targets import free_memory, load_target
+    from eaglelab.data.targets import free_memory, load_target
 
     device = local_cuda_device() if args.device == "cuda" else torch.device("cpu")
     cache = Path(args.cache or tempfile.mkdtemp(prefix="engine-beside-"))
@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("--cache", default=None, help="the tiny target's cache (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    from eaglelab.errors import EaglelabError
+    from eaglelab.core.errors import EaglelabError
 
     try:
         result = run(args)

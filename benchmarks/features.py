@@ -12,7 +12,7 @@ training positions/s per epoch (from `time/epoch_s` in logs/metrics.csv: epoch 1
 on the held-out prompts (simulated) and validation τ, and bytes on disk per token. Bytes per token are
 projected to Llama-3.1-8B (hidden 4096, 3 aux layers, bf16) at 10^7 and 10^8 training tokens.
 
-`--rss`: peak RSS of the train stage (`eaglelab.trainer.train_drafter`, what the loop calls, one epoch, in a
+`--rss`: peak RSS of the train stage (`eaglelab.train.fit.train_drafter`, what the loop calls, one epoch, in a
 fresh process after the target is loaded and freed as the loop does) on cached training data the size of the
 default run's (192 prompts) and 4x that: the training set's real stores, replicated; and 1x for 4 epochs, the
 steps of 4x for one, which separates what the data costs (read one sequence at a time: nothing held) from what
@@ -40,11 +40,11 @@ TRAIN_ONLY = """
 import json, resource, sys
 from pathlib import Path
 from hydra import compose, initialize_config_dir
-from eaglelab.config import to_run_config
+from eaglelab.core.config import to_run_config
 from eaglelab.data.store import Sequences, StateStore, TokenStore
 from eaglelab.pipeline import build_model_config
-from eaglelab.targets import load_target
-from eaglelab.trainer import train_drafter
+from eaglelab.data.targets import load_target
+from eaglelab.train.fit import train_drafter
 
 root, data, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 with initialize_config_dir(config_dir=str(root / "conf"), version_base=None):

@@ -1,4 +1,4 @@
-"""The memory estimate (`eaglelab.limits`) against the measured peak, on the embedded SmolLM2.
+"""The memory estimate (`eaglelab.plan.costs`) against the measured peak, on the embedded SmolLM2.
 
     python -m benchmarks.memory_estimate [--cache DIR] [--out DIR] [--only NAME ...]
 

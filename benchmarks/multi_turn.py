@@ -49,11 +49,11 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "eaglelab", help="where targets are")
     args = ap.parse_args(argv)
-    from eaglelab.config import TargetConfig
-    from eaglelab.data.entry import CaptureSettings, SetRequest
-    from eaglelab.data.prepare import prepare_features
+    from eaglelab.core.config import TargetConfig
+    from eaglelab.data.cache_entry import CaptureSettings, SetRequest
+    from eaglelab.data.prepare_set import prepare_features
     from eaglelab.data.prompts import jsonl_prompts
-    from eaglelab.targets import load_target
+    from eaglelab.data.targets import load_target
 
     target = load_target(TargetConfig(kind=args.target, dtype="float32"), args.cache)
     with tempfile.TemporaryDirectory() as work:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from eaglelab.training import EpochBatches
+from eaglelab.train.ttt_module import EpochBatches
 
 
 def mixes(n: int, seed: int = 0) -> dict[str, list[int]]:

@@ -4,8 +4,8 @@ kept for sharding and hashed into the regeneration's cache key — eaglelab befo
     python -m benchmarks.prompt_memory [--prompts 10000 100000] [--target smollm2|tiny]
 
   before   each prompt's token ids a Python list (~36 bytes a token), the key `json.dumps` of every id at once
-  now      each prompt's ids an int32 array (4 bytes a token, eaglelab.data.prepare), the key hashed part by part
-           (eaglelab.data.entry.cache_key: the same hash)
+  now      each prompt's ids an int32 array (4 bytes a token, eaglelab.data.prepare_set), the key hashed part by part
+           (eaglelab.data.cache_entry.cache_key: the same hash)
 
 Each case runs in a fresh process that renders the prompts with eaglelab's `template_prompt` (the target's own
 tokenizer), keeps them as the case does and makes the key: measured is the peak RSS (ru_maxrss) less the RSS once
@@ -26,11 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 MEASURE = """
 import hashlib, json, resource, sys
 import numpy as np
-from eaglelab.config import TargetConfig
-from eaglelab.data.entry import cache_key
+from eaglelab.core.config import TargetConfig
+from eaglelab.data.cache_entry import cache_key
 from eaglelab.data.prompts import python_docstring_prompts
 from eaglelab.data.templates import template_prompt
-from eaglelab.targets import load_target
+from eaglelab.data.targets import load_target
 
 case, n, kind, cache = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 tokenizer = load_target(TargetConfig(kind=kind, dtype="float32"), cache).tokenizer

@@ -16,11 +16,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from eaglelab.config import TargetConfig
+from eaglelab.core.config import TargetConfig
 from eaglelab.data.prompts import mix_sources
 from eaglelab.data.regenerate import generate, generate_vllm
+from eaglelab.data.targets import load_target
 from eaglelab.data.templates import template_prompt
-from eaglelab.targets import load_target
 
 
 def main():

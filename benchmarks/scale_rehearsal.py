@@ -61,13 +61,13 @@ def build_target(s: dict, device):
 
 
 def estimate_bytes(s: dict, target, cfg, train_cfg, B: int, T: int, P: int, device) -> int:
-    """eaglelab's estimate of this process's peak (`limits.train_bytes`, as the memory check makes it before a run):
+    """eaglelab's estimate of this process's peak (`plan.costs.train_bytes`, as the memory check makes it before a run):
     the target's weights, which the check measures as held, plus the train stage with online features (on a CPU the
     caller adds the resident memory of the imports, which the check measures as held too)."""
     from dataclasses import replace
 
-    from eaglelab.config import FeaturesConfig, RunConfig
-    from eaglelab.limits import ALLOCATOR_SLACK, PromptSet, TargetShape, train_bytes
+    from eaglelab.core.config import FeaturesConfig, RunConfig
+    from eaglelab.plan.costs import ALLOCATOR_SLACK, PromptSet, TargetShape, train_bytes
 
     run = RunConfig(train=replace(train_cfg, batch_size=B), features=FeaturesConfig(kind="online"))
     shape = TargetShape(
@@ -84,12 +84,12 @@ def rehearse(args) -> dict:
     import torch
     from tqdm import tqdm
 
-    from eaglelab.batches import Batch, OnlineStates
-    from eaglelab.config import TrainConfig
-    from eaglelab.drafter import DrafterFlags, Eagle3Config
-    from eaglelab.targets import TargetWeights, proc_bytes
-    from eaglelab.trainer import init_from_target
-    from eaglelab.training import DrafterModule
+    from eaglelab.core.config import TrainConfig
+    from eaglelab.data.targets import TargetWeights, proc_bytes
+    from eaglelab.models.drafter import DrafterFlags, Eagle3Config
+    from eaglelab.train.batches import Batch, OnlineStates
+    from eaglelab.train.fit import init_from_target
+    from eaglelab.train.ttt_module import DrafterModule
 
     s = SHAPES[args.shape]
     B, T = args.batch, args.seq_len

@@ -1,5 +1,5 @@
 """Host memory of a trial process's prompt side at N conversations from a JSONL source: the sources read and mixed,
-the held-out overlap dropped, validation held out, the sizes checked (eaglelab.limits), the training set rendered
+the held-out overlap dropped, validation held out, the sizes checked (eaglelab.plan.costs), the training set rendered
 in the target's template and keyed (the data stage's first two steps) — everything a process holds of its prompts
 before the engines start, on every rank and every task of a `stage=prepare` array.
 
@@ -31,13 +31,13 @@ WORDS = ("the function returns a list of values sorted by key when the input hol
 MEASURE = """
 import json, sys
 from hydra import compose, initialize_config_dir
-from eaglelab.config import to_run_config
-from eaglelab.data.entry import SetRequest, plan_entry
+from eaglelab.core.config import to_run_config
+from eaglelab.data.cache_entry import SetRequest, plan_entry
 from eaglelab.data.render import render_prompts
 from eaglelab.data.stage import capture_settings, select_prompts, training_entry
-from eaglelab.limits import check_limits
+from eaglelab.plan.preflight import check_limits
 from eaglelab.pipeline import build_model_config
-from eaglelab.targets import load_target
+from eaglelab.data.targets import load_target
 
 conf, jsonl, n, cache = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 status = lambda key: int(open("/proc/self/status").read().split(key + ":")[1].split()[0]) * 1024

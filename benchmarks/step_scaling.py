@@ -14,14 +14,14 @@ depth and the checkpointing switch change no parameter).
 
 Per row: the peak of the step (GPU: torch's max allocated; CPU: peak RSS, which never goes down, so only the first
 row's is its own) and what the step added over what was held before it (the model, AdamW's moments); eaglelab's
-activation model for that addition (`limits.ttt_kept_bytes` + `unroll_alive_bytes`, the terms its memory check sizes
+activation model for that addition (`plan.costs.ttt_kept_bytes` + `unroll_alive_bytes`, the terms its memory check sizes
 a step with, + the float32 gradients; without what the check adds on top: AdamW's update temporaries, autocast's
 16-bit weight copies and the allocator slack); the mean step time over --steps; the step's FLOPs as torch's
 FlopCounterMode counts them without checkpointing (the model's FLOPs: recomputation is not useful work; causal
 attention counted as half the dense product, `attention_flops`; where no step without checkpointing was measured at
 that size (it did not fit, or --checkpointing on), the checkpointed step's, recomputation included, marked "*") and
 their rate against --peak-tflops (default: the H200's and H100's bf16 dense peak, 989 TFLOP/s) and against a 8192³
-bf16 GEMM measured here; the SDPA kernel each draft step's attention used (`eaglelab.devices.SdpaKernels`). A row
+bf16 GEMM measured here; the SDPA kernel each draft step's attention used (`eaglelab.core.devices.SdpaKernels`). A row
 that runs out of memory is a figure of its own ("OOM").
 """
 
@@ -97,9 +97,9 @@ def build(shape: str, device, max_length: int):
     """-> (DrafterModule of `shape` on `device`, its config, the AdamW over its trainable parameters)."""
     import torch
 
-    from eaglelab.config import TrainConfig
-    from eaglelab.drafter import Eagle3Config
-    from eaglelab.training import DrafterModule
+    from eaglelab.core.config import TrainConfig
+    from eaglelab.models.drafter import Eagle3Config
+    from eaglelab.train.ttt_module import DrafterModule
 
     s = SHAPES[shape]
     cfg = Eagle3Config(
@@ -120,7 +120,7 @@ def batch_of(cfg, T: int, device):
     """One sequence of T random tokens, every position drafting, with float32 aux states (as `batches.collate`)."""
     import torch
 
-    from eaglelab.batches import Batch
+    from eaglelab.train.batches import Batch
 
     ids = torch.randint(0, cfg.vocab_size, (1, T), device=device)
     return Batch(
@@ -133,7 +133,7 @@ def batch_of(cfg, T: int, device):
 
 def estimate_added_bytes(cfg, T: int, ttt: int, checkpointing: bool, trainable: int) -> int:
     """What eaglelab's memory model says this step adds over what was held before it (no allocator slack)."""
-    from eaglelab.limits import ttt_kept_bytes, unroll_alive_bytes
+    from eaglelab.plan.costs import ttt_kept_bytes, unroll_alive_bytes
 
     lowp, stream = 2, 4  # bf16-mixed: 16-bit matmul inputs and outputs, float32 residual stream
     kept = ttt_kept_bytes(1, T, ttt, T - 1, cfg, lowp, stream, checkpointing=checkpointing)
@@ -145,9 +145,9 @@ def measure(module, cfg, params, opt, T: int, ttt: int, checkpointing: bool, ste
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from eaglelab.devices import SdpaKernels
-    from eaglelab.limits import peak_rss
-    from eaglelab.targets import proc_bytes
+    from eaglelab.core.devices import SdpaKernels
+    from eaglelab.data.targets import proc_bytes
+    from eaglelab.plan.costs import peak_rss
 
     cuda = device.type == "cuda"
     module.drafter.activation_checkpointing = checkpointing
@@ -234,7 +234,7 @@ def main(argv=None):
     if args.steps < 1 or min(lengths) < 2 or min(depths) < 1:
         sys.exit("error: --steps must be >= 1, every length >= 2 and every --ttt >= 1")
     device = torch.device(args.device)
-    if args.deterministic:  # what Lightning's Trainer(deterministic=True) sets (eaglelab.trainer)
+    if args.deterministic:  # what Lightning's Trainer(deterministic=True) sets (eaglelab.train.fit)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     if args.peak_tflops is None and device.type == "cuda":

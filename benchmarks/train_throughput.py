@@ -16,7 +16,7 @@ every position drafts (prompt length 1); a trained position = one sequence posit
   attention "sdpa" (a dense TTT mask: FlexAttention has no backward on a CPU) and its eager losses (the fused ones are
   Triton kernels). It never trains lm_head, so in a run beside it eaglelab's is frozen too (train.freeze_lm_head),
   and both run the same loss (`--loss`: ce on the target's greedy token, or kl against its distribution), with
-  the same allocator setting (`eaglelab.devices.keep_freed_memory`, which eaglelab's trainer applies on a CPU).
+  the same allocator setting (`eaglelab.core.devices.keep_freed_memory`, which eaglelab's trainer applies on a CPU).
 FLOPs per step are counted by torch's FlopCounterMode (forward + backward, as executed), and the roofline is the best
 of fp32 / bf16 GEMM FLOP/s measured in the same run.
 
@@ -105,11 +105,11 @@ def one(
 
     import torch
 
-    from eaglelab.batches import Batch
-    from eaglelab.config import TrainConfig
-    from eaglelab.devices import keep_freed_memory
-    from eaglelab.drafter import Eagle3Config, mla_shape
-    from eaglelab.training import DrafterModule, adamw
+    from eaglelab.core.config import TrainConfig
+    from eaglelab.core.devices import keep_freed_memory
+    from eaglelab.models.drafter import Eagle3Config, mla_shape
+    from eaglelab.train.batches import Batch
+    from eaglelab.train.ttt_module import DrafterModule, adamw
 
     c = CONFIGS[name]
     torch.manual_seed(0)
@@ -180,7 +180,7 @@ def speculators_one(name: str, precision: str, steps: int, repeats: int, loss: s
         sys.exit(f"error: speculators is not installed ({e}): run `make setup`, which installs speculators==0.9.0")
     from transformers import LlamaConfig
 
-    from eaglelab.devices import keep_freed_memory
+    from eaglelab.core.devices import keep_freed_memory
 
     c = CONFIGS[name]
     torch.manual_seed(0)

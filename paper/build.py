@@ -10,7 +10,6 @@ when all of it succeeded: a failed build leaves the previous paper as it was.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import shutil
@@ -19,6 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from analysis import cli
 from analysis.compare import COLUMNS, cell, comparison, markdown, shown_columns, write
 from analysis.drift_table import NAMES as DRIFT_NAMES
 from analysis.drift_table import interval as drift_interval
@@ -233,8 +233,8 @@ def _fmt(value, decimals: int = 3) -> str:
 
 
 def step_weights(runs: list[Run]) -> str:
-    """The loss weight of each draft step j = 1..ttt_steps, train.step_decay**(j-1) (eaglelab.training), from the
-    runs' stored configs: one list per distinct (step_decay, ttt_steps), lists separated by semicolons."""
+    """The loss weight of each draft step j = 1..ttt_steps, train.step_decay**(j-1) (eaglelab.train.ttt_module), from
+    the runs' stored configs: one list per distinct (step_decay, ttt_steps), lists separated by semicolons."""
     combos = sorted({(float(r.config["train.step_decay"]), int(r.config["train.ttt_steps"])) for r in runs})
     return "; ".join(", ".join(f"{decay ** (j - 1):.3g}" for j in range(1, ttt + 1)) for decay, ttt in combos)
 
@@ -423,7 +423,7 @@ def install(staging: Path, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = cli.parser(__doc__, roots=False, out=None, reference="variant the τ ratios are taken against")
     ap.add_argument(
         "roots",
         nargs="*",
@@ -431,7 +431,6 @@ def main(argv: list[str] | None = None) -> int:
         default=[ROOT / "results"],
         help="results directories or run directories (default: results/)",
     )
-    ap.add_argument("--reference", default="eagle3", help="variant the τ ratios are taken against")
     ap.add_argument("--no-pdf", action="store_true", help="figures, tables and numbers only (no LaTeX needed)")
     ap.add_argument("--out", type=Path, default=PAPER, help="where figures/, tables/, generated/ and paper.pdf go")
     args = ap.parse_args(argv)
@@ -442,16 +441,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runs = load(
             args.roots,
-            warn=lambda msg: (skipped.append(msg), print(msg, file=sys.stderr)),
-            duplicate=lambda msg: (duplicates.append(msg), print(msg, file=sys.stderr)),
+            warn=cli.noting(skipped),
+            duplicate=cli.noting(duplicates),
         )
         written = generate(runs, staging, len(skipped), len(duplicates), args.reference)
         if not args.no_pdf:
             written.append(build_pdf(staging))
         install(staging, args.out)
     except StoreError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return cli.fail(str(e))
     finally:
         if (staging / "paper.log").exists():  # LaTeX's log, kept for a failed build too
             shutil.copy(staging / "paper.log", args.out / "paper.log")

@@ -23,6 +23,6 @@ rm -rf "$DIR/wheels" "$DIR/smollm2-tokenizer"
 mkdir -p "$DIR/wheels"
 # shellcheck disable=SC2086  # (one argument per pin)
 "$PY" -m pip download -q --no-deps --only-binary=:all: --dest "$DIR/wheels" $pins
-"$PY" -m eaglelab.targets tokenizer "$DIR/smollm2-tokenizer" >/dev/null
+"$PY" -m eaglelab.data.targets tokenizer "$DIR/smollm2-tokenizer" >/dev/null
 echo "gpu bundle in $DIR ($(du -sh "$DIR" | cut -f1)): $pins, and the SmolLM2 tokenizer"
 echo "on the GPU box: pip install --no-index --no-deps $DIR/wheels/*.whl && bash scripts/gpu_check.sh"

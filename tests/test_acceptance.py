@@ -7,9 +7,9 @@ import pytest
 import torch
 from test_drafter import random_drafter, small_config
 
-from eaglelab.acceptance import AcceptanceCounts, leading_matches, simulate, tail_tokens
-from eaglelab.batches import acceptance_counts, collate
-from eaglelab.drafter import export_state_dict
+from eaglelab.models.acceptance import AcceptanceCounts, leading_matches, simulate, tail_tokens
+from eaglelab.models.drafter import export_state_dict
+from eaglelab.train.batches import acceptance_counts, collate
 
 from reference_drafter import ReferenceDrafter
 
@@ -181,7 +181,7 @@ def test_expected_acceptance_under_sampling_is_computed_down_each_chain(draft_sa
     chain's expected acceptances are the running products; past a sequence's end, nothing. Rounds are weighted by the
     chance a decode starts one there, here by the backward recursion E(s) = (1, Σ_j alive_j(s)) + Σ_j P(exactly j |
     s)·E(s + j + 1) from the first start (acceptance.expected_rounds carries the same chance forward)."""
-    from eaglelab.batches import expected_acceptance
+    from eaglelab.train.batches import expected_acceptance
 
     drafter = small_drafter()
     cfg, K, temperature = drafter.cfg, 3, 0.7
@@ -247,7 +247,7 @@ def test_expected_acceptance_under_sampling_is_computed_down_each_chain(draft_sa
 def test_expected_rounds_with_certain_outcomes_count_what_greedy_decoding_counts():
     """acceptance.expected_rounds with every probability 0 or 1 (a draft kept or not) is the greedy chain decode
     acceptance.simulate counts: the same rounds and accepted drafts at every k, over random match patterns."""
-    from eaglelab.acceptance import expected_rounds, simulate
+    from eaglelab.models.acceptance import expected_rounds, simulate
 
     torch.manual_seed(0)
     n, P, K = 40, 6, 4

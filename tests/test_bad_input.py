@@ -32,7 +32,7 @@ def bad_files(cache_dir, tmp_path_factory) -> Path:
     template, a corrupt GGUF, non-UTF-8 and empty conversations, a folder under a regular file."""
     from transformers import BertConfig, BertForMaskedLM
 
-    from eaglelab.targets import load_target
+    from eaglelab.data.targets import load_target
 
     from conftest import compose
 
@@ -98,7 +98,7 @@ def test_bad_input_is_one_line_and_nonzero(overrides, message, bad_files, cache_
     """Each bad input through what the CLI calls (`compose`, then `pipeline.run`): an EaglelabError of one line
     naming the fix. src/run.py prints such an error as its one `error:` line and exits 2, whatever the error: that
     contract is proven through the real CLI by the tests below and by CLI_CASES."""
-    from eaglelab.errors import EaglelabError
+    from eaglelab.core.errors import EaglelabError
     from eaglelab.pipeline import run
 
     from conftest import compose
@@ -189,7 +189,7 @@ def test_a_target_too_large_for_memory_is_refused_before_its_weights_are_read(ca
     and then be killed by the kernel), so it fails with the size, the device and the fix, not 'cannot load'."""
     import torch
 
-    from eaglelab.targets import WEIGHTS_SHARE_OF_FREE, free_memory
+    from eaglelab.data.targets import WEIGHTS_SHARE_OF_FREE, free_memory
 
     free = free_memory(torch.device("cpu"))
     if free is not None and 2 * 70_553_706_496 <= WEIGHTS_SHARE_OF_FREE * free:
@@ -210,7 +210,7 @@ def test_the_size_estimate_counts_what_loading_gives(cache_dir, tmp_path):
     """The meta-device estimate equals the loaded target (tied embeddings once), and a 70 B config is 70.55 B."""
     import torch
 
-    from eaglelab.targets import load_target, target_size
+    from eaglelab.data.targets import load_target, target_size
 
     from conftest import compose
 
@@ -229,8 +229,8 @@ def test_the_size_estimate_counts_what_loading_gives(cache_dir, tmp_path):
 def test_the_fit_check_names_size_device_and_fix():
     import torch
 
-    from eaglelab.errors import TargetError
-    from eaglelab.targets import TargetSize, check_fits
+    from eaglelab.core.errors import TargetError
+    from eaglelab.data.targets import TargetSize, check_fits
 
     size = TargetSize("LlamaForCausalLM", 10**9, "float32")  # 4 GB
     check_fits(size, torch.device("cuda", 0), int(4e9 / 0.9) + 1)  # within the 90% the weights may take
@@ -246,8 +246,8 @@ def test_the_fit_check_names_size_device_and_fix():
 def test_the_target_goes_where_training_runs(monkeypatch):
     import torch
 
-    from eaglelab.errors import TargetError
-    from eaglelab.targets import target_device
+    from eaglelab.core.errors import TargetError
+    from eaglelab.data.targets import target_device
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv("SLURM_LOCALID", raising=False)
@@ -267,7 +267,7 @@ def test_the_target_goes_where_training_runs(monkeypatch):
 
 def test_a_cgroup_limit_counts_as_the_memory_free(tmp_path):
     """In a Slurm job or a container the cgroup limit, not the machine's free memory, is what the target gets."""
-    from eaglelab.targets import _cgroup_free
+    from eaglelab.data.targets import _cgroup_free
 
     proc = tmp_path / "cgroup"
     proc.write_text("0::/job_7/step_0\n")
@@ -286,7 +286,7 @@ def test_a_cgroup_limit_counts_as_the_memory_free(tmp_path):
 def test_a_cache_dir_that_is_a_file_is_one_line_before_any_work(bad_files, cache_dir, tmp_path):
     """paths.cache_dir at a regular file: one line naming the setting, from the CLI (checked before the run starts)
     and from the pipeline called as a library (before the target loads); a NotADirectoryError traceback before."""
-    from eaglelab.errors import EaglelabError
+    from eaglelab.core.errors import EaglelabError
     from eaglelab.pipeline import run
 
     from conftest import compose

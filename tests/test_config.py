@@ -3,8 +3,8 @@
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from eaglelab.errors import ConfigError
-from eaglelab.suites import check_suites
+from eaglelab.core.errors import ConfigError
+from eaglelab.evaluate.suites import check_suites
 
 from conftest import compose
 
@@ -20,7 +20,7 @@ from conftest import compose
     ],
 )
 def test_ablations(ablation, flags, tmp_path):
-    """Written out by hand here, so a change to the variants table (eaglelab.variants) shows up as a failure."""
+    """Written out by hand here, so a change to the variants table (eaglelab.models.variants) shows up as a failure."""
     overrides = [f"+ablation={ablation}"] if ablation else []
     cfg = compose(overrides, tmp_path, tmp_path / "run")
     assert {k: getattr(cfg.drafter, k) for k in flags} == flags
@@ -28,7 +28,7 @@ def test_ablations(ablation, flags, tmp_path):
 
 
 def test_every_variant_is_an_ablation_config_and_labels_its_own_flags(tmp_path):
-    from eaglelab.variants import VARIANTS, ablation_name
+    from eaglelab.models.variants import VARIANTS, ablation_name
 
     for name, flags in VARIANTS.items():
         cfg = compose([f"+ablation={ablation_name(name)}"], tmp_path, tmp_path / "r")
@@ -45,7 +45,7 @@ def test_conf_holds_only_what_differs_from_the_schema():
     import yaml
     from omegaconf import OmegaConf
 
-    from eaglelab.config import RunConfig
+    from eaglelab.core.config import RunConfig
 
     defaults = OmegaConf.to_container(OmegaConf.structured(RunConfig))
     root = Path(__file__).resolve().parents[1] / "conf"
@@ -109,12 +109,12 @@ def test_auto_precision_is_what_the_machine_computes_fast(flags, cuda, accelerat
     here); the file-reading query itself is tested on a written cpuinfo."""
     import torch
 
-    import eaglelab.devices
+    import eaglelab.core.devices
 
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
-    real = eaglelab.devices.native_bf16_cpu
-    monkeypatch.setattr(eaglelab.devices, "native_bf16_cpu", lambda: real(str(cpuinfo)))
+    real = eaglelab.core.devices.native_bf16_cpu
+    monkeypatch.setattr(eaglelab.core.devices, "native_bf16_cpu", lambda: real(str(cpuinfo)))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda is not None)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: cuda == "ampere")
     cfg = compose([f"train.accelerator={accelerator}"], tmp_path, tmp_path / "r")
@@ -126,7 +126,7 @@ def test_auto_precision_is_what_the_machine_computes_fast(flags, cuda, accelerat
 def test_vllm_measures_k_1_ttt_and_max_k_unless_asked_for_every_k_or_named_ks(tmp_path):
     """One engine per depth: the run's default is below, at and past the trained depth; every_k is the full sweep
     (each engine of it is started the same way: tests/test_vllm.py runs the default three)."""
-    from eaglelab.config import vllm_ks
+    from eaglelab.core.config import vllm_ks
 
     assert vllm_ks(compose(["experiment=smoke"], tmp_path, tmp_path / "r")) == [1, 3, 8]
     assert vllm_ks(compose(["experiment=smoke", "eval.vllm.every_k=true"], tmp_path, tmp_path / "r")) == list(
@@ -136,7 +136,7 @@ def test_vllm_measures_k_1_ttt_and_max_k_unless_asked_for_every_k_or_named_ks(tm
 
 
 def test_suites_are_config_group_entries(tmp_path):
-    from eaglelab.config import max_k, suite_ks
+    from eaglelab.core.config import max_k, suite_ks
 
     cfg = compose([], tmp_path, tmp_path / "r")
     s = cfg.eval.suites
@@ -217,7 +217,7 @@ def test_suite_settings_are_checked_by_the_suites(override, message, tmp_path):
 
 
 def test_capture_backend_auto_is_vllm_where_vllm_regenerates_on_cuda():
-    from eaglelab.config import resolve_capture_backend
+    from eaglelab.core.config import resolve_capture_backend
 
     assert resolve_capture_backend("auto", "vllm", cuda=True) == "vllm"
     assert resolve_capture_backend("auto", "vllm", cuda=False) == "hf"  # measured faster on a CPU (docs)
@@ -236,8 +236,8 @@ def test_capture_backend_auto_is_vllm_where_vllm_regenerates_on_cuda():
 )
 def test_the_slurm_launcher_asks_for_the_gpus_and_memory_the_trial_needs(overrides, gpus, mem_gb):
     """gpus_per_node: the ranks' or the data engine's, whichever is more; mem_gb: every rank's host memory, 8B-sized
-    (eaglelab.variants.RANK_HOST_GB), plus its loader's read-ahead, or as much for each of the data engine's workers;
-    at least 64 GB."""
+    (eaglelab.core.resolvers.RANK_HOST_GB), plus its loader's read-ahead, or as much for each of the data engine's
+    workers; at least 64 GB."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf

@@ -9,15 +9,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from eaglelab.config import TargetConfig
-from eaglelab.data.entry import CaptureSettings, SetRequest
-from eaglelab.data.prepare import prepare_features
+from eaglelab.core.config import TargetConfig
+from eaglelab.core.errors import DataError
+from eaglelab.data.cache_entry import CaptureSettings, SetRequest
+from eaglelab.data.prepare_set import prepare_features
 from eaglelab.data.prompts import humaneval_prompts, jsonl_prompts, mix_sources
 from eaglelab.data.regenerate import generate
+from eaglelab.data.targets import load_target
 from eaglelab.data.templates import template_prompt
 from eaglelab.data.vocab import draft_vocab
-from eaglelab.errors import DataError
-from eaglelab.targets import load_target
 
 
 @pytest.fixture(scope="module")
@@ -191,11 +191,11 @@ def test_vllm_capture_matches_hf_capture(tiny, tmp_path):
 
 KILLED_PREPARATION = """
 import sys
-from eaglelab.config import TargetConfig
-from eaglelab.data.entry import CaptureSettings, SetRequest
-from eaglelab.data.prepare import prepare_features
+from eaglelab.core.config import TargetConfig
+from eaglelab.data.cache_entry import CaptureSettings, SetRequest
+from eaglelab.data.prepare_set import prepare_features
 from eaglelab.data.prompts import mix_sources
-from eaglelab.targets import load_target
+from eaglelab.data.targets import load_target
 
 tiny = load_target(TargetConfig(kind="tiny", dtype="float32"), sys.argv[1])
 prompts = mix_sources(["stdlib_docstrings"], 16, seed=3)
@@ -249,7 +249,7 @@ def test_hybrid_states_survive_a_killed_first_epoch(tiny, tmp_path):
 
     from torch.utils.data import DataLoader
 
-    from eaglelab.batches import FeatureDataset, HybridStates, OnlineStates, collate
+    from eaglelab.train.batches import FeatureDataset, HybridStates, OnlineStates, collate
 
     prompts = mix_sources(["stdlib_docstrings"], 6, seed=4)
     ask, how = SetRequest("t", max_new_tokens=10), CaptureSettings(tmp_path, [2, 4, 5], None, 512, batch_size=6)
@@ -295,9 +295,9 @@ def test_hybrid_publishing_beside_a_live_capture_keeps_its_shard(tiny, tmp_path)
 
     from torch.utils.data import DataLoader
 
-    from eaglelab.batches import FeatureDataset, HybridStates, OnlineStates, collate
+    from eaglelab.core.io import file_lock
     from eaglelab.data.store import shard_lock, shard_name
-    from eaglelab.io import file_lock
+    from eaglelab.train.batches import FeatureDataset, HybridStates, OnlineStates, collate
 
     prompts = mix_sources(["stdlib_docstrings"], 4, seed=5)
     how = CaptureSettings(tmp_path, [2, 4, 5], None, 512, batch_size=4)
@@ -382,7 +382,7 @@ def test_python_docstrings_is_a_larger_pool_of_prose_requests():
 
 
 def test_self_chat_keeps_closed_distinct_requests_in_order():
-    from eaglelab.config import SelfChatSettings
+    from eaglelab.core.config import SelfChatSettings
     from eaglelab.data.self_chat import keep
 
     rows = [
@@ -452,7 +452,7 @@ def test_every_assistant_turn_is_the_targets_own_answer_and_trained(tiny, tmp_pa
     its own, in its history), and every answer is a trained span whose tokens are the target's greedy choices;
     turns=last trains the last answer only, the earlier turns in the source's words. The drafting mask covers the
     spans and never the user turns between them. One-turn prompts keep their cache entry whatever data.turns says."""
-    from eaglelab.batches import collate
+    from eaglelab.train.batches import collate
 
     chats = _chats([1, 2, 3, 3, 2])
     last, last_stats = _multi_turn(tiny, tmp_path, chats, turns="last")
@@ -524,7 +524,7 @@ def test_the_cache_key_streams_the_same_hash_json_would_write():
 
     import numpy as np
 
-    from eaglelab.data.entry import cache_key
+    from eaglelab.data.cache_entry import cache_key
 
     parts = dict(v=5, source="a+b", prompts=[[1, 2, 3], [4]], is_val=[False, True], target={"z": 1, "b": [2]},
                  path=Path("/x"), turns=[[{"role": "user", "content": "é"}]], empty=[])  # fmt: skip
@@ -570,7 +570,7 @@ def test_cache_keys_hash_the_shared_parts_once_and_equal_the_keys_entries_have()
     """One key per tail length, each the hash of json.dumps of the whole (how every entry's key was made)."""
     import hashlib
 
-    from eaglelab.data.entry import cache_keys
+    from eaglelab.data.cache_entry import cache_keys
 
     parts = dict(v=5, source="a", prompts=[[1, 2, 3], [4]], target={"z": 1}, turns=[])
     whole = lambda p: hashlib.sha256(json.dumps(p, sort_keys=True, default=str).encode()).hexdigest()[:20]  # noqa: E731

@@ -1,12 +1,12 @@
 """Where a vLLM engine started beside training runs, and how much of the device it may take
-(eaglelab.devices.engine_placement). There is no GPU here: each test substitutes the CUDA memory query
+(eaglelab.core.devices.engine_placement). There is no GPU here: each test substitutes the CUDA memory query
 (torch.cuda.mem_get_info, memory_reserved, device_count, is_available) with the figures of the GPU it names."""
 
 import pytest
 import torch
 
-from eaglelab.devices import ENGINE_HEADROOM_BYTES, engine_placement
-from eaglelab.errors import EaglelabError
+from eaglelab.core.devices import ENGINE_HEADROOM_BYTES, engine_placement
+from eaglelab.core.errors import EaglelabError
 
 GiB = 1 << 30
 
@@ -69,26 +69,31 @@ def test_a_cpu_engines_kv_cache_holds_its_job_and_no_more(tmp_path):
     requests need at once, in whole 128-token blocks at the target's and drafter's bytes per token, twice over; at
     least one context-window request (vLLM refuses less); at most the 2 GiB every engine got before."""
     import json
+    from dataclasses import replace
 
-    from eaglelab.vllm_engine import cpu_kv_cache_bytes
+    from eaglelab.engine.jobs import EvaluateJob, GenerateJob
+    from eaglelab.engine.llm import cpu_kv_cache_bytes
 
     shape = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64}
     for name, layers in (("target", 8), ("drafter", 1)):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps({**shape, "num_hidden_layers": layers}))
     per_token = {None: 8 * 2 * 64 * 4, 3: 9 * 2 * 64 * 4}  # K and V, float32; drafting adds the drafter's layer
-    job = {"mode": "evaluate", "target": str(tmp_path / "target"), "drafter": str(tmp_path / "drafter")}
-    job |= {"dtype": "float32", "max_model_len": 256, "prompts": [[1] * 100] * 8, "max_tokens": 24}
+    models = {"target": str(tmp_path / "target"), "dtype": "float32", "max_model_len": 256}
+    job = EvaluateJob(**models, drafter=str(tmp_path / "drafter"), ks=[3],
+                      groups={"": {"prompts": [[1] * 100] * 8, "max_tokens": 24}})  # fmt: skip
     # 8 requests of 100 + 24 + 3 + 1 tokens: one block each
     assert cpu_kv_cache_bytes(job, 3) == 2 * 8 * 128 * per_token[3]
-    assert cpu_kv_cache_bytes({**job, "prompts": [[1] * 10]}, None) == 2 * (256 + 128) * per_token[None]  # one request
+    one = replace(job, groups={"": {"prompts": [[1] * 10], "max_tokens": 24}})
+    assert cpu_kv_cache_bytes(one, None) == 2 * (256 + 128) * per_token[None]  # one request
     groups = {"a": {"prompts": [[1] * 200] * 3, "max_tokens": [60, 70, 80]}}
-    assert cpu_kv_cache_bytes({**job, "groups": groups}, 3) == 2 * 3 * 3 * 128 * per_token[3]
-    regen = {**job, "mode": "generate", "shards": {"0": [[1] * 100] * 2, "1": [[1] * 120]}, "tail_tokens": 8}
-    regen["max_tokens"] = {"0": [20, 20], "1": [40]}
+    assert cpu_kv_cache_bytes(replace(job, groups=groups), 3) == 2 * 3 * 3 * 128 * per_token[3]
+    regen = GenerateJob(**models, shards={"0": [[1] * 100] * 2, "1": [[1] * 120]}, tail_tokens=8, shard_dir="/s",
+                        max_tokens={"0": [20, 20], "1": [40]})  # fmt: skip
     # 100 + 20 + 8 tail + 1 = 129 tokens: two blocks each; 120 + 40 + 8 + 1: two blocks
     assert cpu_kv_cache_bytes(regen, None) == 2 * (2 + 2 + 2) * 128 * per_token[None]
-    assert cpu_kv_cache_bytes({**job, "prompts": [[1] * 100] * 100_000}, 3) == 2 << 30  # larger jobs queue
+    many = replace(job, groups={"": {"prompts": [[1] * 100] * 100_000, "max_tokens": 24}})
+    assert cpu_kv_cache_bytes(many, 3) == 2 << 30  # larger jobs queue
     (tmp_path / "target" / "config.json").write_text(json.dumps({"n_layer": 8, "n_embd": 128}))  # GPT-2's names
     assert cpu_kv_cache_bytes(job, 3) == 2 << 30  # what every engine got before
 
@@ -101,10 +106,10 @@ def test_every_draft_step_attends_through_a_fused_kernel(window, bf16):
     mask). On the H200 every step took cuDNN's kernel (benchmarks/step_scaling.py); here, the CPU's flash."""
     from test_drafter import small_config
 
-    from eaglelab.batches import Batch
-    from eaglelab.config import TrainConfig
-    from eaglelab.devices import SdpaKernels
-    from eaglelab.training import DrafterModule
+    from eaglelab.core.config import TrainConfig
+    from eaglelab.core.devices import SdpaKernels
+    from eaglelab.train.batches import Batch
+    from eaglelab.train.ttt_module import DrafterModule
 
     module = DrafterModule(small_config(attention_window=window), TrainConfig())
     module.drafter.set_vocab(torch.arange(30))
@@ -117,7 +122,7 @@ def test_every_draft_step_attends_through_a_fused_kernel(window, bf16):
 
 
 def test_a_call_sdpa_cannot_fuse_is_reported_as_math():
-    from eaglelab.devices import SdpaKernels
+    from eaglelab.core.devices import SdpaKernels
 
     q, v = torch.randn(1, 2, 8, 8), torch.randn(1, 2, 8, 16)  # (value head dim unlike the query's: no fused kernel)
     with SdpaKernels() as kernels:
@@ -142,7 +147,7 @@ def test_a_gpu_job_on_a_cpu_only_install_is_one_line_naming_the_fix(tmp_path):
     """torch here is the CPU build, as `make setup` installs it on a machine where nvidia-smi finds no GPU (a login
     node): a job given GPUs (by Slurm, CUDA_VISIBLE_DEVICES, or the driver's device nodes) or asking for one stops
     before any work; a CPU job, or one on a machine without GPUs, goes on."""
-    from eaglelab.devices import check_torch_build
+    from eaglelab.core.devices import check_torch_build
 
     assert torch.version.cuda is None, "this test needs the CPU build of torch (the CPU box's)"
     no_gpu = tmp_path / "dev"
@@ -164,7 +169,7 @@ def test_a_gpu_job_on_a_cpu_only_install_is_one_line_naming_the_fix(tmp_path):
 
 
 def test_a_cpu_steps_freed_memory_is_kept_for_the_next_step():
-    """eaglelab.devices.keep_freed_memory, in a fresh process: a step that makes and frees three 16 MB temporaries
+    """eaglelab.core.devices.keep_freed_memory, in a fresh process: a step that makes and frees three 16 MB temporaries
     has their pages faulted in again every time under glibc's initial thresholds (mmap 128 KB, trim 128 KB; pinned
     there, since glibc adapts them to what a process happened to free, which made the "before" differ from run to
     run); once applied, the freed memory is reused and nothing is faulted in."""
@@ -174,7 +179,7 @@ def test_a_cpu_steps_freed_memory_is_kept_for_the_next_step():
 
     code = """
 import ctypes, ctypes.util, resource, torch
-from eaglelab.devices import keep_freed_memory
+from eaglelab.core.devices import keep_freed_memory
 libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 libc.mallopt(-3, 128 << 10), libc.mallopt(-1, 128 << 10)  # (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD: glibc's initial)
 def faults():

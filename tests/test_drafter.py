@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from eaglelab.drafter import Eagle3Config, Eagle3Drafter, export_state_dict
+from eaglelab.models.drafter import Eagle3Config, Eagle3Drafter, export_state_dict
 
 from reference_drafter import ReferenceDrafter
 

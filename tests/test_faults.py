@@ -17,8 +17,6 @@ import psutil
 import pytest
 import torch
 
-from eaglelab.evaluate import ENGINE
-
 from conftest import ROOT, cli_env, compose, error_line, run_cli
 from wandb_records import read_run
 
@@ -61,8 +59,8 @@ def cache_entries(cache: Path) -> dict[str, list[Path]]:
 WRITER = textwrap.dedent("""
     import sys, time, torch
     from pathlib import Path
-    from eaglelab.io import atomic_dir, atomic_file
-    from eaglelab.training import AtomicCheckpointIO
+    from eaglelab.core.io import atomic_dir, atomic_file
+    from eaglelab.train.ttt_module import AtomicCheckpointIO
     kind, path = sys.argv[1], Path(sys.argv[2])
     chunk = bytes(1 << 20)
     if kind == "file":
@@ -209,7 +207,7 @@ def test_a_cache_without_flock_captures_in_vllm_through_node_local_scratch(no_fl
 
 # --- numerical failure ---------------------------------------------------------------------------------------------
 def test_atomic_writes_are_readable_by_the_team(tmp_path):
-    from eaglelab.io import atomic_dir, atomic_file
+    from eaglelab.core.io import atomic_dir, atomic_file
 
     old = os.umask(0o022)
     try:
@@ -228,7 +226,7 @@ def test_a_failed_trial_does_not_leave_its_wandb_run_to_the_next(cache_dir, tmp_
     trial log into it."""
     import wandb
 
-    from eaglelab.tracking import start_run
+    from eaglelab.results.tracking import start_run
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     first, second = (
@@ -253,8 +251,8 @@ def test_fp16_loss_scaler_steps_are_left_to_the_scaler():
     here; the gradient and weight stops on eaglelab's real trainer: tests/test_training.py."""
     from types import SimpleNamespace
 
-    from eaglelab.errors import TrainingError
-    from eaglelab.training import StopOnNonFinite
+    from eaglelab.core.errors import TrainingError
+    from eaglelab.train.ttt_module import StopOnNonFinite
 
     module = torch.nn.Linear(4, 4)
     module.weight.grad = torch.full_like(module.weight, float("inf"))
@@ -309,9 +307,9 @@ def test_vllm_engine_killed_or_timed_out_fails_the_run_keeps_training_and_the_re
         except psutil.Error:  # a child that ended meanwhile (a zombie, or gone): not the engine
             return ""
 
-    def engine():  # the evaluation's engine process (it runs in eaglelab.data.vllm_capture: eaglelab.evaluate.ENGINE)
+    def engine():  # the evaluation's engine process (`python -m eaglelab.engine`: eaglelab.engine.process.run_engine)
         children = psutil.Process(proc.pid).children(recursive=True)
-        return next((c for c in children if f"-m {ENGINE} " in cmdline(c)), None)
+        return next((c for c in children if "-m eaglelab.engine " in cmdline(c)), None)
 
     victim = wait_for(engine, 600, "the vLLM engine", proc)
     wait_for(
@@ -346,10 +344,17 @@ def test_vllm_engine_killed_or_timed_out_fails_the_run_keeps_training_and_the_re
     assert done.returncode == 0, done.stderr[-2000:]
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert "vllm/acceptance_length@k3" in metrics and metrics["train/steps"] == steps  # not trained again
-    # It ends by saying what it found (eaglelab.summary), then where: τ at the trained depth from both evaluators, and
-    # how to serve the drafter where this CPU run did not
+    # It ends by saying what it found (eaglelab.results.summary), then where: τ at the trained depth from both
+    # evaluators over the same prompts (each count said), the simulated one over all, and how to serve the drafter
+    # where this CPU run did not
     tau, tau_vllm = metrics["acceptance_length@k3"], metrics["vllm/acceptance_length@k3"]
-    assert f"τ@3 (the trained depth): simulated {tau:.3f}, vLLM {tau_vllm:.3f}" in done.stdout, done.stdout
+    same, n, n_all = (
+        metrics["vllm/simulated_acceptance_length@k3"],
+        metrics["vllm/prompts"],
+        metrics["held_out_prompts"],
+    )
+    line = f"τ@3 (the trained depth): vLLM {tau_vllm:.3f}, simulated {same:.3f} over the same {n} prompts; "
+    assert line + f"simulated {tau:.3f} over {n_all} prompts" in done.stdout, done.stdout
     assert f"serve it: python src/run.py checkpoint={run_dir} eval.vllm.throughput_ks=[3]" in done.stdout
     assert done.stdout.rstrip().splitlines()[-1] == f"run_dir: {run_dir}"
     assert json.loads((run_dir / "run.json").read_text())["attempt"] == 3
@@ -378,8 +383,8 @@ def test_wandb_online_without_network_falls_back_to_offline(cache_dir, tmp_path)
 def test_a_changed_config_or_target_never_reuses_a_stale_cache(cache_dir, tmp_path):
     """Change what the data depends on — generation length, or the target's weights in place — and the run
     prepares new data (a new cache entry) instead of reusing the old."""
+    from eaglelab.data.targets import load_target
     from eaglelab.pipeline import run as run_pipeline
-    from eaglelab.targets import load_target
 
     target = tmp_path / "target"
     shutil.copytree(load_target(compose(SMOKE, cache_dir, tmp_path).target, cache_dir).path, target)

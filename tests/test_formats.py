@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file
 from test_drafter import random_drafter, small_config
 
-from eaglelab.errors import EaglelabError
-from eaglelab.export import TargetShape, load_drafter, main, save_drafter, save_speculators
-from eaglelab.speculators_format import from_speculators_config, to_speculators_config
+from eaglelab.core.errors import EaglelabError
+from eaglelab.export.eagle3 import TargetShape, load_drafter, main, save_drafter, save_speculators
+from eaglelab.export.speculators import from_speculators_config, to_speculators_config
 
 
 def _verifier(folder):

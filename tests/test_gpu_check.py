@@ -159,7 +159,7 @@ def test_with_the_bundle_a_bare_gpu_box_runs_the_whole_tiny_loop(tmp_path):
     is no GPU here, so the pretend python turns its `train.accelerator=gpu` into cpu, and the scale rehearsal's
     llama8b on cuda into the tiny shape on the CPU. The stages needing the wheel or vLLM are skipped and named; the
     check passes. With EAGLELAB_GPU_BOX_PYTHON (scripts/gpu_box_venv.sh) it runs on those boxes' own stack."""
-    from eaglelab.targets import export_tokenizer
+    from eaglelab.data.targets import export_tokenizer
 
     tokenizer = export_tokenizer(tmp_path / "bundle" / "smollm2-tokenizer")
     hide = tmp_path / "hide"

@@ -8,7 +8,7 @@ them: the published entry holds each sequence once.
 
 | path                                   | who starts the ranks                | cells                   |
 |----------------------------------------|-------------------------------------|-------------------------|
-| `python src/run.py train.devices=2`    | eaglelab (`eaglelab.ranks`)         | hybrid, killed, resumed |
+| `python src/run.py train.devices=2`    | eaglelab (`eaglelab.core.ranks`)         | hybrid, killed, resumed |
 | `-m` basic launcher, 2 trials in turn  | eaglelab, once per trial            | online, cached          |
 | `-m hydra/launcher=local` (submitit)   | eaglelab, inside each submitit job  | hybrid                  |
 | `torchrun --nproc-per-node 2 -m`       | torchrun                            | hybrid, online          |
@@ -106,7 +106,7 @@ def test_a_basic_launcher_sweep_runs_each_trial_once_on_two_ranks(references, tm
     # Lightning's info lines and its sync_dist hint stay out of the console, the ranks eaglelab started included
     for noise in ("INFO: ", "It is recommended to use `self.log("):
         assert noise not in out.stdout + out.stderr, (noise, out.stderr[-3000:])
-    # The sweep ends by saying what each trial found (eaglelab.summary.SweepSummary), once: rank 0's process
+    # The sweep ends by saying what each trial found (eaglelab.results.summary.SweepSummary), once: rank 0's process
     assert out.stdout.count("summary: 2 trials") == 1, out.stdout[-3000:]
     for trial in trials:
         tau = json.loads((trial / "metrics.json").read_text())["acceptance_length@k3"]
@@ -228,7 +228,7 @@ def test_a_rank_that_dies_ends_the_trial_and_the_same_command_resumes_it(referen
         assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
         time.sleep(0.02)
     children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-    (helper,) = [c for c in children if b"eaglelab.rank_helper" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    (helper,) = [c for c in children if b"eaglelab.rank_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
     os.kill(int(helper), signal.SIGKILL)
     proc.wait(timeout=300)  # not the 30 minutes of a collective's timeout
     reader.join()

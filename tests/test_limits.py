@@ -1,6 +1,7 @@
-"""Limits checked before any work (eaglelab.limits): settings out of range for the data they train on, precisions
-the device cannot run, runs larger than the memory or the disk they would get, and a disk that fills up anyway.
-Each refusal is one line naming the setting and the fix, exit status 2, and nothing that looks complete."""
+"""Limits checked before any work (eaglelab.plan.preflight, its cost model eaglelab.plan.costs): settings out of range
+for the data they train on, precisions the device cannot run, runs larger than the memory or the disk they would get,
+and a disk that fills up anyway. Each refusal is one line naming the setting and the fix, exit status 2, and nothing
+that looks complete."""
 
 import errno
 import json
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eaglelab.errors import ConfigError, DiskFull
+from eaglelab.core.errors import ConfigError, DiskFull
 
 from conftest import compose, error_line, run_cli
 
@@ -98,7 +99,7 @@ def test_float16_autocast_on_the_cpu_is_refused_instead_of_swapped(cache_dir, tm
 
 
 def test_bfloat16_on_a_gpu_without_it_is_refused(monkeypatch, tmp_path):
-    from eaglelab.limits import check_precision
+    from eaglelab.plan.preflight import check_precision
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))  # a V100
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
@@ -143,11 +144,11 @@ def test_the_training_estimate_counts_what_autograd_keeps(T, checkpointing, laye
     layer-step rebuilt at a time in the backward pass."""
     from transformers import LlamaConfig
 
-    from eaglelab.batches import Batch
-    from eaglelab.config import TrainConfig
-    from eaglelab.drafter import DrafterFlags, Eagle3Config
-    from eaglelab.limits import _trainable_parameters, layer_step_bytes, ttt_kept_bytes
-    from eaglelab.training import DrafterModule
+    from eaglelab.core.config import TrainConfig
+    from eaglelab.models.drafter import DrafterFlags, Eagle3Config
+    from eaglelab.plan.costs import _trainable_parameters, layer_step_bytes, ttt_kept_bytes
+    from eaglelab.train.batches import Batch
+    from eaglelab.train.ttt_module import DrafterModule
 
     shape = LlamaConfig(
         vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=2,
@@ -196,8 +197,8 @@ def test_a_token_budget_is_sized_as_the_rows_of_the_longest_sequences_it_spans(t
 
     from transformers import LlamaConfig
 
-    from eaglelab.drafter import DrafterFlags, Eagle3Config
-    from eaglelab.limits import PromptSet, TargetShape, batch_rows, train_bytes
+    from eaglelab.models.drafter import DrafterFlags, Eagle3Config
+    from eaglelab.plan.costs import PromptSet, TargetShape, batch_rows, train_bytes
 
     shape = LlamaConfig(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
                         num_attention_heads=2, num_key_value_heads=1, head_dim=64)  # fmt: skip
@@ -229,16 +230,16 @@ def test_the_per_shape_growth_is_counted_by_the_cpus_bfloat16_kernels(flags, lev
     """`kernel_cache_bytes`: what a CPU training process keeps per new batch length under 16-bit autocast, by the
     instructions the CPU computes bfloat16 with (read from a written cpuinfo: no such CPUs here), levelling off at
     that kind's reading; nothing in float32, and no more batches than the run has."""
-    import eaglelab.devices
-    import eaglelab.limits
-    from eaglelab.limits import KERNELS_PER_NEW_BATCH, PromptSet, _trainable_parameters, kernel_cache_bytes
+    import eaglelab.core.devices
+    import eaglelab.plan.costs
+    from eaglelab.plan.costs import KERNELS_PER_NEW_BATCH, PromptSet, _trainable_parameters, kernel_cache_bytes
 
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
-    real = eaglelab.devices.cpu_bf16_kernels
-    monkeypatch.setattr(eaglelab.limits, "cpu_bf16_kernels", lambda: real(str(cpuinfo)))
+    real = eaglelab.core.devices.cpu_bf16_kernels
+    monkeypatch.setattr(eaglelab.plan.costs, "cpu_bf16_kernels", lambda: real(str(cpuinfo)))
     cfg = compose(["experiment=smoke", "train.precision=bf16-mixed", "train.epochs=50"], tmp_path, tmp_path / "r")
-    d = eaglelab.limits.Eagle3Config(
+    d = eaglelab.plan.costs.Eagle3Config(
         hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
         vocab_size=512, draft_vocab_size=256, target_hidden_size=64, aux_layer_ids=(1, 2, 3),
     )  # fmt: skip
@@ -277,7 +278,7 @@ def tmpfs(tmp_path):
 def test_a_cache_too_small_for_the_data_is_refused_before_regeneration(cache_dir, tmp_path, tmpfs):
     """paths.cache_dir on a filesystem that holds the target but not the captured states of the training data:
     refused before the target regenerates anything, no cache entry half-made."""
-    from eaglelab.targets import load_target
+    from eaglelab.data.targets import load_target
 
     tiny = load_target(compose(SMOKE, cache_dir, tmp_path / "r").target, cache_dir).path
     pages = sum(-(-f.stat().st_size // 4096) * 4096 for f in tiny.iterdir())
@@ -296,9 +297,9 @@ def test_the_disk_check_refuses_what_cannot_fit_and_warns_of_what_may_not(tmp_pa
     """The cache's disk check against a real 1 MiB file system: an entry whose prompts alone do not fit is refused
     in one line; one that fits unless every response runs to max_new_tokens goes on, saying it may fill up; one
     that fits at its largest goes on silently. (776 bytes of states + 4 of ids a token.)"""
-    from eaglelab.data.entry import Entry
-    from eaglelab.data.shards import check_disk_space
-    from eaglelab.errors import ResourceError
+    from eaglelab.core.errors import ResourceError
+    from eaglelab.data.cache_entry import Entry
+    from eaglelab.data.shard_claims import check_disk_space
 
     small = tmpfs("cache", 1 << 20)
     entry = lambda n, max_new: Entry(  # noqa: E731  (n prompts of 100 tokens, one shard)
@@ -322,9 +323,9 @@ def test_a_results_disk_that_fills_up_fails_clearly_keeps_the_last_checkpoint_an
     """The run directory on a filesystem that holds one checkpoint but not the temporary of the next: one
     DiskFull line naming the folder, run.json failed, no metrics.json, no temporary left, last.ckpt whole; with
     room again, the same command resumes from that checkpoint and completes."""
-    from eaglelab.drafter import Eagle3Drafter
+    from eaglelab.data.targets import load_target
+    from eaglelab.models.drafter import Eagle3Drafter
     from eaglelab.pipeline import build_model_config
-    from eaglelab.targets import load_target
 
     cfg = compose(SMOKE, cache_dir, tmp_path / "r")
     drafter = Eagle3Drafter(build_model_config(cfg, load_target(cfg.target, cache_dir)))
@@ -357,7 +358,7 @@ def test_a_full_disk_is_recognised_through_the_chain_of_causes(tmp_path):
     """torch's writer reports a full disk as `unexpected pos` (the OSError only in its context), pyarrow in its
     message, quotas as EDQUOT; an I/O error, or an interrupt that torch's writer turned into `unexpected pos`, is
     not a full disk."""
-    from eaglelab.limits import as_disk_full
+    from eaglelab.core.io import as_disk_full
 
     try:
         try:
@@ -384,7 +385,7 @@ def test_a_full_disk_is_recognised_through_the_chain_of_causes(tmp_path):
 def test_the_cublas_workspace_is_counted_on_a_gpu(monkeypatch):
     """What the tiny loop's H200 run was short by (0.206 GB reserved at its peak, 0.174 estimated): torch's cuBLAS
     workspace, by compute capability or as CUBLAS_WORKSPACE_CONFIG sets it; nothing on a CPU."""
-    from eaglelab.limits import cublas_workspace_bytes
+    from eaglelab.plan.costs import cublas_workspace_bytes
 
     cuda = torch.device("cuda", 0)
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
@@ -398,12 +399,12 @@ def test_the_cublas_workspace_is_counted_on_a_gpu(monkeypatch):
 
 
 def test_a_conversation_answered_turn_by_turn_is_sized_to_the_limit(cache_dir, tmp_path):
-    """data.turns=all keeps a multi-turn conversation whose first round fits (eaglelab.data.prepare), and its sequence
-    grows turn by turn, each earlier answer up to data.max_new_tokens, whatever the source's answers' length: the
-    memory check sizes it so (here to data.max_length). With turns=last the whole conversation, as the source wrote
+    """data.turns=all keeps a multi-turn conversation whose first round fits (eaglelab.data.prepare_set), and its
+    sequence grows turn by turn, each earlier answer up to data.max_new_tokens, whatever the source's answers' length:
+    the memory check sizes it so (here to data.max_length). With turns=last the whole conversation, as the source wrote
     it, must fit and sizes the sequence; one that does not is skipped."""
-    from eaglelab.limits import prompt_sets
-    from eaglelab.targets import load_target
+    from eaglelab.data.targets import load_target
+    from eaglelab.plan.costs import prompt_sets
 
     def chat(answer: str) -> list:
         turns = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": answer}]

@@ -19,7 +19,7 @@ from conftest import ROOT
 HOLD = """
 import os, sys, time
 from pathlib import Path
-from eaglelab.io import file_lock
+from eaglelab.core.io import file_lock
 lock, log, hold = Path(sys.argv[1]), Path(sys.argv[2]), float(sys.argv[3])
 with file_lock(lock):
     with open(log, "a") as f: f.write(f"in {os.getpid()} {time.time()}\\n")
@@ -96,7 +96,7 @@ MOUNTINFO = """\
 
 
 def test_node_local_flock_is_read_from_the_mount():
-    from eaglelab.io import node_local_flock
+    from eaglelab.core.io import node_local_flock
 
     info = MOUNTINFO.format(lustre="flock", nfs="local_lock=none")
     assert node_local_flock(Path("/home/x"), info) is None
@@ -109,8 +109,8 @@ def test_node_local_flock_is_read_from_the_mount():
 
 
 def test_an_unknown_lock_kind_is_one_line(monkeypatch, tmp_path):
-    from eaglelab.errors import ConfigError
-    from eaglelab.io import file_lock
+    from eaglelab.core.errors import ConfigError
+    from eaglelab.core.io import file_lock
 
     monkeypatch.setenv("EAGLELAB_LOCKS", "nfs")
     with pytest.raises(ConfigError, match="set it to auto, flock or lease"), file_lock(tmp_path / "x.lock"):
@@ -123,9 +123,9 @@ def test_the_shards_of_an_entry_are_made_once_by_whoever_holds_them(tmp_path):
     made exactly once, each rank begins with its own share, and the dropped one is made by a rank that waited."""
     import threading
 
-    from eaglelab.data.shards import take_shards
+    from eaglelab.core.io import file_lock
+    from eaglelab.data.shard_claims import take_shards
     from eaglelab.data.store import shard_name
-    from eaglelab.io import file_lock
 
     folder = tmp_path / "regen" / "key"
     folder.mkdir(parents=True)
@@ -167,7 +167,7 @@ def test_the_shards_of_an_entry_are_made_once_by_whoever_holds_them(tmp_path):
 def test_one_engine_job_takes_shards_up_to_a_token_budget(tmp_path):
     """However long the shards' sequences, one claim (one engine job, its token ids in memory twice) holds at most
     CLAIM_TOKENS tokens, or one shard when a single shard is larger."""
-    from eaglelab.data.shards import CLAIM_TOKENS, take_shards
+    from eaglelab.data.shard_claims import CLAIM_TOKENS, take_shards
     from eaglelab.data.store import shard_name
 
     folder = tmp_path / "regen" / "key"

@@ -76,17 +76,18 @@ def test_smoke_run_writes_the_documented_layout(smoke_runs):
 
 
 def test_a_run_ends_by_saying_what_it_found(smoke_runs):
-    """The summary src/run.py prints last (eaglelab.summary) quotes the run's own results: τ at the trained depth and
-    the deepest one, the drift headline from the drift table, and the figures that exist."""
-    from eaglelab.summary import has_results, run_summary
+    """The summary src/run.py prints last (eaglelab.results.summary) quotes the run's own results: τ at the trained
+    depth and the deepest one, the drift headline from the drift table, and the figures that exist."""
+    from eaglelab.results.summary import has_results, run_summary
 
     run_dir = smoke_runs.a
     metrics = json.loads((run_dir / "metrics.json").read_text())
     lines = run_summary(run_dir)
     text = "\n".join(lines)
     assert lines[0].startswith("summary: eagle3.1 (seed 0) on ") and f"{int(metrics['train/steps'])} steps" in lines[0]
-    assert f"τ@3 (the trained depth): simulated {metrics['acceptance_length@k3']:.3f}\n" in text
-    assert f"τ@8 (deepest measured): simulated {metrics['acceptance_length@k8']:.3f}\n" in text
+    n = metrics["held_out_prompts"]  # (every held-out prompt: what the simulated figure is over)
+    assert f"τ@3 (the trained depth): simulated {metrics['acceptance_length@k3']:.3f} over {n} prompts\n" in text
+    assert f"τ@8 (deepest measured): simulated {metrics['acceptance_length@k8']:.3f} over {n} prompts\n" in text
     assert "  vLLM: not run (eval.vllm.enabled=false, or not installed)" in lines  # (the smoke experiment's setting)
     drift = next(line for line in lines if line.startswith("  drift: "))
     first, deepest = metrics["drift/context_share@d1"], metrics["drift/context_share@d8"]
@@ -176,14 +177,14 @@ def test_training_raises_tau_over_the_untrained_drafter(smoke_runs, cache_dir):
     same draft vocabulary) on the same held-out sequences, with the simulated evaluator."""
     import lightning as L
 
-    from eaglelab.config import max_k
+    from eaglelab.core.config import max_k
     from eaglelab.data.stage import prepare_data, select_prompts
-    from eaglelab.evaluate import evaluate_simulated
-    from eaglelab.export import TargetShape, load_checkpoint
+    from eaglelab.data.targets import load_target
+    from eaglelab.evaluate.held_out import evaluate_simulated
+    from eaglelab.export.eagle3 import TargetShape, load_checkpoint
     from eaglelab.pipeline import build_model_config
-    from eaglelab.targets import load_target
-    from eaglelab.trainer import init_from_target
-    from eaglelab.training import DrafterModule
+    from eaglelab.train.fit import init_from_target
+    from eaglelab.train.ttt_module import DrafterModule
 
     cfg = compose(["experiment=smoke"], cache_dir, smoke_runs.a)
     target = load_target(cfg.target, cfg.paths.cache_dir)
@@ -224,7 +225,7 @@ def test_hf_target_of_another_family(cache_dir, tmp_path):
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    from eaglelab.targets import smollm2_gguf_path
+    from eaglelab.data.targets import smollm2_gguf_path
 
     gguf = smollm2_gguf_path()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -270,7 +271,7 @@ def test_run_writes_an_acceptance_figure_of_its_tables(smoke_runs, tmp_path, mon
     import numpy as np
     from PIL import Image
 
-    from eaglelab import plots
+    from eaglelab.evaluate.held_out import plots
 
     for name in ("acceptance.csv", "per_position.csv", "depth_accuracy.csv"):
         shutil.copy(smoke_runs.a / name, tmp_path / name)
@@ -334,8 +335,8 @@ def test_the_tiny_targets_greedy_text_varies(cache_dir, tmp_path):
     import torch
 
     from eaglelab.data.stage import select_prompts
+    from eaglelab.data.targets import load_target
     from eaglelab.data.templates import template_prompt
-    from eaglelab.targets import load_target
 
     def responses(overrides):
         cfg = compose(["experiment=smoke", *overrides], cache_dir, tmp_path)
@@ -386,12 +387,12 @@ def test_keep_best_exports_the_epoch_with_the_best_validation_tau(cache_dir, tmp
     the exported drafter is that epoch's: recomputed on the run's own validation sequences it gives that τ."""
     from torch.utils.data import DataLoader
 
-    from eaglelab.acceptance import AcceptanceCounts
-    from eaglelab.batches import FeatureDataset, acceptance_counts, collate
     from eaglelab.data.stage import prepare_data, select_prompts
-    from eaglelab.export import TargetShape, load_checkpoint
+    from eaglelab.data.targets import load_target
+    from eaglelab.export.eagle3 import TargetShape, load_checkpoint
+    from eaglelab.models.acceptance import AcceptanceCounts
     from eaglelab.pipeline import build_model_config
-    from eaglelab.targets import load_target
+    from eaglelab.train.batches import FeatureDataset, acceptance_counts, collate
 
     overrides = ["experiment=smoke", "train.keep=best", "train.precision=32-true"]  # fp32: recomputed exactly
     run_dir = run(compose(overrides, cache_dir, tmp_path / "best"))
@@ -431,12 +432,12 @@ def test_a_true_precision_trains_on_states_the_target_computes(precision, cache_
 
 
 def test_the_smoke_loop_names_the_device_of_every_tensor_it_makes(cache_dir, tmp_path):
-    """Strict-device mode (eaglelab.strict_device): training, export, the simulated evaluation and the drift
+    """Strict-device mode (eaglelab.core.strict_device): training, export, the simulated evaluation and the drift
     diagnostics make no tensor without naming its device, which on a GPU would land on the CPU beside CUDA
     states. The mode itself is checked first: a factory call from a file of the package without a device raises."""
     import torch
 
-    from eaglelab.strict_device import PACKAGE, DeviceNotNamed, strict_device
+    from eaglelab.core.strict_device import PACKAGE, DeviceNotNamed, strict_device
 
     with strict_device():
         torch.arange(3)  # from a test file: not eaglelab's code, left alone

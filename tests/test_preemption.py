@@ -1,4 +1,4 @@
-"""Signals at any instant (eaglelab.preemption): one arriving inside a write is acted on after it; outside a
+"""Signals at any instant (eaglelab.core.preemption): one arriving inside a write is acted on after it; outside a
 write at once. The signal is sent from inside torch.save's own pickling, i.e. exactly where the requeue
 that was lost to `RuntimeError: ... unexpected pos` landed."""
 
@@ -9,8 +9,8 @@ import signal
 import pytest
 import torch
 
-from eaglelab import preemption
-from eaglelab.training import AtomicCheckpointIO
+from eaglelab.core import preemption
+from eaglelab.train.ttt_module import AtomicCheckpointIO
 
 
 class SignalWhilePickled:
@@ -146,7 +146,7 @@ def test_a_signal_while_a_figure_is_drawn_is_acted_on_after_it_is_saved(handlers
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    from eaglelab.plots import save_figure
+    from eaglelab.evaluate.plots import save_figure
 
     class SignalWhileDrawn(Line2D):
         def draw(self, renderer):

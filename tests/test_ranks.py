@@ -3,10 +3,10 @@ the launch paths themselves run in tests/test_launch.py)."""
 
 import pytest
 
-from eaglelab.config import TrainConfig
-from eaglelab.errors import ConfigError
-from eaglelab.ranks import Ranks, cluster_environment, facts, trial_ranks
-from eaglelab.trainer import validation_share
+from eaglelab.core.config import TrainConfig
+from eaglelab.core.errors import ConfigError
+from eaglelab.core.ranks import Ranks, cluster_environment, facts, trial_ranks
+from eaglelab.train.fit import validation_share
 
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "TORCHELASTIC_RUN_ID")
 LAUNCH_VARIABLES += ("MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID")
@@ -84,7 +84,7 @@ def test_each_validation_sequence_is_validated_once_over_the_ranks(count, world)
 def _compare(rank: int, port: int, cases: list[list], out):
     import torch.distributed as dist
 
-    from eaglelab.ranks import same_on_every_rank
+    from eaglelab.core.ranks import same_on_every_rank
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=len(cases[0]))
     try:
@@ -125,7 +125,7 @@ def test_ranks_that_built_different_data_stop_with_one_line_on_every_rank():
 
 BLOCKED_RANK_0 = """
 import signal, subprocess, sys, threading, time
-from eaglelab import ranks
+from eaglelab.core import ranks
 
 ranks.UNWIND_GRACE_S = 0.5
 signal.signal(signal.SIGTERM, lambda *_: None)  # as rank 0 inside a collective: no handler ever runs

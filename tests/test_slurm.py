@@ -143,9 +143,9 @@ def test_a_trial_hands_its_evaluation_to_a_slurm_job_of_its_own(slurm, reference
     eval.job's time limit and memory, which completes the same run directory with the numbers of the trial that
     evaluated itself, and keeps what the training attempt measured. A partition Slurm lacks, or a job it would not
     take (GPUs on a node without any), is refused before any work."""
-    from eaglelab.errors import ConfigError
+    from eaglelab.core.errors import ConfigError
     from eaglelab.pipeline import run
-    from eaglelab.summary import sweep_summary
+    from eaglelab.results.summary import sweep_summary
 
     handed = ["eval.job.enabled=true", "eval.job.cpus_per_task=1", "eval.job.mem_gb=2", "eval.job.timeout_min=17"]
     with pytest.raises(ConfigError, match=r"^Slurm partition 'nope' does not exist; set eval.job.partition to one of"):
@@ -178,7 +178,7 @@ def test_a_trial_hands_its_evaluation_to_a_slurm_job_of_its_own(slurm, reference
     assert metrics["time/total_s"] > trained["time/training_job_s"]
     # Relaunched while its evaluation job is queued (held here), the trial is left alone; once that job is gone,
     # the relaunch is the run's next attempt (which hands the evaluation over again).
-    from eaglelab.rundir import begin_attempt
+    from eaglelab.core.rundir import begin_attempt
 
     (run_dir / "metrics.json").unlink()
     held = subprocess.run(["sbatch", "--hold", "--parsable", "--wrap", "true"], capture_output=True, text=True,

@@ -7,12 +7,12 @@ import pytest
 import torch
 from run_tables import check_acceptance_tables
 
-from eaglelab.config import SelfChatSettings, half_precision
+from eaglelab.core.config import SelfChatSettings, half_precision
 from eaglelab.data.capture import aux_hooks
 from eaglelab.data.self_chat import self_chat_prompts
 from eaglelab.data.store import TokenStore
+from eaglelab.data.targets import load_target
 from eaglelab.pipeline import run
-from eaglelab.targets import load_target
 
 from conftest import compose
 
@@ -54,7 +54,7 @@ def test_whole_loop_on_the_embedded_target(smollm2_run):
 
 def test_capture_uses_vllm_layer_ids(smollm2_run, cache_dir):
     """vLLM id k = hidden state after k layers = HF hidden_states[k]; the hooks must grab exactly it."""
-    from eaglelab.config import TargetConfig
+    from eaglelab.core.config import TargetConfig
 
     target = load_target(TargetConfig(kind="smollm2", dtype=DTYPE), cache_dir)  # converted by the run above
     ids = target.tokenizer.apply_chat_template(
@@ -93,7 +93,7 @@ def test_simulated_acceptance_matches_vllm_on_the_embedded_target(smollm2_run):
 def test_self_chat_requests_are_written_cached_extended_and_trained_on(smollm2_run, cache_dir):
     """The self_chat source: SmolLM2 given only its user-turn prefix writes distinct requests, cached batch by batch
     (asking again generates nothing; asking for more extends the same stream), and the run trained on them."""
-    from eaglelab.config import TargetConfig
+    from eaglelab.core.config import TargetConfig
 
     target = load_target(TargetConfig(kind="smollm2", dtype=DTYPE), cache_dir)
     settings = SelfChatSettings(batch_size=4)  # as the run above
@@ -118,7 +118,7 @@ def test_self_chat_is_written_by_vllm_where_vllm_regenerates(cache_dir, tmp_path
     """Where vLLM regenerates, the self_chat source is sampled by a vLLM engine in its own process (each sample
     seeded): distinct closed requests, the HF model never loaded here, a stream of its own (another cache key than
     HF's), cached batch by batch (asking again starts no engine)."""
-    from eaglelab.config import TargetConfig
+    from eaglelab.core.config import TargetConfig
 
     target = load_target(TargetConfig(kind="smollm2", dtype=DTYPE), cache_dir)
     settings = SelfChatSettings(batch_size=8)

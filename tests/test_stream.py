@@ -145,10 +145,10 @@ def test_a_subscriber_that_stops_reading_is_dropped_and_the_host_goes_on(paired,
     """A trial that subscribes to a shared stream and then reads nothing (what a preempted or stalled trial does):
     after features.stream.stall_s the engine drops it and the hosting trial trains on, to the drafter its own stream
     gives; the dropped trial's reader stops with one line."""
+    from eaglelab.core.errors import EaglelabError
+    from eaglelab.core.io import file_lock
     from eaglelab.data.stream import StreamReader, connect, read_json
-    from eaglelab.errors import EaglelabError
-    from eaglelab.io import file_lock
-    from eaglelab.streamed import admitted, subscribe
+    from eaglelab.train.stream_plan import admitted, subscribe
 
     cache, results = paired["cache"], tmp_path / "results"
     args = [*SMOKE, "features=stream", "features.stream.share=true", "features.stream.join_s=15",

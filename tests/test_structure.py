@@ -6,82 +6,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Every eaglelab module's place in the data flow. A module may import only modules of its own rank or below;
-# a new module must be placed here (the test says so).
-RANK = {
-    # 0: foundations every stage uses — errors, file writes, the variants table, the drafter (the method),
-    # the typed configs, the vLLM engine runner, a run directory's identity
-    "eaglelab": 0,
-    "eaglelab.errors": 0,
-    "eaglelab.io": 0,
-    "eaglelab.preemption": 0,
-    "eaglelab.variants": 0,
-    "eaglelab.acceptance": 0,
-    "eaglelab.drafter": 0,
-    "eaglelab.draft_loss": 0,  # the TTT loss over the drafter's head (training computes it, the memory check sizes it)
-    "eaglelab.config": 0,
-    "eaglelab.vllm_engine": 0,
-    "eaglelab.serving": 0,  # decode speed as served, in the engine process (vLLM's server and benchmark)
-    "eaglelab.rundir": 0,
-    "eaglelab.strict_device": 0,  # a test mode: tensor factories in eaglelab name their device
-    "eaglelab.devices": 0,  # the process's CUDA device and an engine's share of it; a CPU step's freed memory kept
-    "eaglelab.ranks": 0,  # who this process is in a trial, and starting the ranks nobody else started
-    # 1: prompts
-    "eaglelab.data": 1,
-    "eaglelab.data.prompts": 1,
-    "eaglelab.data.templates": 1,
-    "eaglelab.data.long_context": 1,
-    "eaglelab.data.chat_prompts": 1,
-    "eaglelab.data.turns": 1,  # a conversation's rounds and its assistant turns' spans
-    # 2: the target, regenerate, capture, cache, and the limits a run's sizes are checked against
-    "eaglelab.targets": 2,
-    "eaglelab.limits": 2,
-    "eaglelab.data.regenerate": 2,
-    "eaglelab.data.capture": 2,
-    "eaglelab.data.store": 2,
-    "eaglelab.data.render": 2,  # conversations -> ids in the target's template (the data stage's first step)
-    "eaglelab.data.entry": 2,  # which cache entry a prompt set is read from or prepared into (its settings, its keys)
-    "eaglelab.data.shards": 2,  # who makes which shard of an entry, and whether it fits on disk
-    "eaglelab.data.jobs": 2,  # the engine jobs: regenerate and capture a claimed group of shards
-    "eaglelab.data.prepare": 2,  # one prompt set: render -> entry -> engine jobs -> sink
-    "eaglelab.data.vocab": 2,
-    "eaglelab.data.self_chat": 2,  # prompts the target writes: they need the target
-    "eaglelab.data.vllm_capture": 2,  # the capture engine's process (vLLM's hidden-states connector)
-    "eaglelab.data.stage": 2,  # the data stage: sources -> prompts -> engine -> store
-    "eaglelab.data.stream": 2,  # streamed states: the store, its readers, the supervised engine (features=stream)
-    # 3: train
-    "eaglelab.batches": 3,
-    "eaglelab.training": 3,
-    "eaglelab.trainer": 3,
-    "eaglelab.streamed": 3,  # the trainers' side of a stream: its plan, positioned samplers, its life around fit
-    # 4: export
-    "eaglelab.export": 4,
-    "eaglelab.speculators_format": 4,  # drafters in speculators' format (read and written beside vLLM's Eagle3 one)
-    # 5: evaluate (and its per-run figures)
-    "eaglelab.evaluate": 5,
-    "eaglelab.drift": 5,
-    "eaglelab.suites": 5,
-    "eaglelab.plots": 5,
-    "eaglelab.spread": 5,  # the evaluation's engine jobs dealt to a trial's ranks
-    # 6: results (W&B)
-    "eaglelab.tracking": 6,
-    "eaglelab.summary": 6,  # what a run found, read from its results: the lines a run and a sweep end with
-    # 7: the loop and the sweeps that run it
-    "eaglelab.pipeline": 7,
-    "eaglelab.sweeps": 7,
-    "eaglelab.rank_helper": 7,  # a rank eaglelab.ranks started: it runs the loop
-    "eaglelab.slurm_entry": 7,  # a Slurm job's interpreter, in front of submitit (imports nothing of eaglelab)
-    "eaglelab.evaluation_job": 7,  # a trained trial's evaluation as a Slurm job of its own (it runs the loop)
-}
+# The stages in the order data flows through them: src/eaglelab/<folder>/ for each, then the modules at the top
+# (the loop and the sweeps that run it, and the processes that run the loop). A module may import modules of its own
+# folder and of folders listed before it, never one listed after.
+STAGES = ["models", "core", "engine", "data", "train", "export", "evaluate", "results", "plan"]
 NO_LIGHTNING = (
-    "eaglelab.batches",
-    "eaglelab.evaluate",
-    "eaglelab.drift",
-    "eaglelab.export",
-    "eaglelab.suites",
-    "eaglelab.config",
-    "eaglelab.drafter",
-    "eaglelab.draft_loss",
+    "eaglelab.train.batches",
+    "eaglelab.evaluate.held_out",
+    "eaglelab.evaluate.drift",
+    "eaglelab.export.eagle3",
+    "eaglelab.evaluate.suites",
+    "eaglelab.core.config",
+    "eaglelab.models.drafter",
+    "eaglelab.train.loss",
 )
 
 
@@ -106,17 +43,74 @@ def eaglelab_modules() -> dict[str, Path]:
     return {module_name(p): p for p in (ROOT / "src" / "eaglelab").rglob("*.py")}
 
 
-def test_every_module_has_a_place_in_the_data_flow():
-    assert sorted(set(eaglelab_modules()) - set(RANK)) == [], "place the new module in RANK"
+def stage(module: str) -> int:
+    """A module's place in the data flow: its folder's index in STAGES; the package and its top-level modules last."""
+    parts = module.split(".")
+    return STAGES.index(parts[1]) if len(parts) > 2 or (len(parts) == 2 and parts[1] in STAGES) else len(STAGES)
+
+
+def test_every_folder_is_a_stage_in_the_data_flow():
+    folders = {p.parent.name for p in (ROOT / "src" / "eaglelab").glob("*/__init__.py")}
+    assert folders == set(STAGES), "a new folder of src/eaglelab/ takes its place in STAGES"
 
 
 def test_no_module_reaches_back_up_the_data_flow():
+    modules = eaglelab_modules()
     backwards = []
-    for name, path in eaglelab_modules().items():
+    for name, path in modules.items():
         for imported in imports(path):
-            if imported in RANK and RANK[imported] > RANK[name]:
-                backwards.append(f"{name} (rank {RANK[name]}) imports {imported} (rank {RANK[imported]})")
+            if imported in modules and imported != "eaglelab" and stage(imported) > stage(name):
+                backwards.append(f"{name} imports {imported}")
     assert backwards == []
+
+
+def test_no_import_circle():
+    """Within a stage too: modules import each other one way (a circle hides which of them comes first)."""
+    modules = eaglelab_modules()
+    graph = {m: {i for i in imports(p) if i in modules and i != m and i != "eaglelab"} for m, p in modules.items()}
+    done, on_path, circles = set(), [], []
+
+    def visit(m):
+        if m in on_path:
+            circles.append(on_path[on_path.index(m) :] + [m])
+            return
+        if m in done:
+            return
+        on_path.append(m)
+        for n in sorted(graph[m]):
+            visit(n)
+        on_path.pop()
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m)
+    assert circles == []
+
+
+def test_imports_inside_functions_are_of_optional_or_heavy_dependencies_only():
+    """An eaglelab module imported inside a function hides an arrow of the map: each that stays says why."""
+    allowed = {
+        # `import eaglelab` registers the config resolvers (Hydra composes configs in processes that never train):
+        # torch only when a run directory's time stamp is asked for
+        ("eaglelab.core.resolvers", "eaglelab.core.ranks"),
+        # Lightning (and W&B's logger) only when a run trains: evaluating a checkpoint never imports them
+        ("eaglelab.pipeline", "eaglelab.train.fit"),
+        ("eaglelab.pipeline", "eaglelab.results.tracking"),
+    }
+    modules = eaglelab_modules()
+    inner = []
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for sub in ast.walk(node):
+                    if (
+                        isinstance(sub, ast.ImportFrom)
+                        and sub.module
+                        and sub.module.startswith("eaglelab")
+                        and ((name, sub.module) not in allowed)
+                    ):
+                        inner.append(f"{name}:{sub.lineno} {sub.module}")
+    assert inner == [], inner
 
 
 def test_evaluation_needs_no_lightning():
@@ -125,7 +119,8 @@ def test_evaluation_needs_no_lightning():
         name: sorted(
             i
             for i in imports(modules[name])
-            if i.split(".")[0] in ("lightning", "pytorch_lightning") or i in ("eaglelab.training", "eaglelab.trainer")
+            if i.split(".")[0] in ("lightning", "pytorch_lightning")
+            or i in ("eaglelab.train.ttt_module", "eaglelab.train.fit")
         )
         for name in NO_LIGHTNING
     }
@@ -145,9 +140,9 @@ def test_no_sys_path_edits_outside_the_tests():
 
 def test_the_data_stage_reads_in_short_steps():
     """The data stage's rooms (render -> entry -> engine jobs -> sink, and the stage around them) carry their
-    settings in small objects (eaglelab.data.entry: SetRequest, CaptureSettings, Entry): no function there needs a
+    settings in small objects (eaglelab.data.cache_entry: SetRequest, CaptureSettings, Entry): no function there needs a
     page or a long signature to follow (prepare_features was 197 lines and 23 parameters)."""
-    rooms = ["stage", "render", "entry", "shards", "jobs", "prepare"]
+    rooms = ["stage", "render", "cache_entry", "shard_claims", "make_shards", "prepare_set"]
     long = []
     for room in rooms:
         tree = ast.parse((ROOT / "src" / "eaglelab" / "data" / f"{room}.py").read_text())

@@ -10,8 +10,8 @@ from test_drafter import random_drafter, small_config
 
 from eaglelab.data.long_context import long_context_prompts
 from eaglelab.data.templates import CONDITIONS, renderer
-from eaglelab.drafter import Attention
-from eaglelab.drift import drift_diagnostics
+from eaglelab.evaluate.drift import drift_diagnostics
+from eaglelab.models.drafter import Attention
 from eaglelab.pipeline import run
 
 from conftest import compose
@@ -23,7 +23,7 @@ MESSAGES = [{"role": "user", "content": "Write a Python function that reverses a
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from eaglelab.targets import smollm2_gguf_path
+    from eaglelab.data.targets import smollm2_gguf_path
 
     gguf = smollm2_gguf_path()
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -179,7 +179,7 @@ def test_an_independent_engine_style_drafter_gives_every_drift_measure(flags, tm
     in a copy, explicit float64 softmax, measures by the keys' position ids) from the exported folder only; the
     suite's measures, read from the training-time-test unroll, must be the same numbers."""
     from analysis.drift_check import PlainDrafter, measures
-    from eaglelab.export import save_drafter
+    from eaglelab.export.eagle3 import save_drafter
 
     model = random_drafter(small_config(**flags))
     feats = features_for(model, n=3, T=24)

@@ -35,7 +35,7 @@ def _grid(sweep: str) -> list[list[str]]:
     from hydra import initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    import eaglelab.config  # noqa: F401  registers the schema (run alone, no earlier test has imported it)
+    import eaglelab.core.config  # noqa: F401  registers the schema (run alone, no earlier test has imported it)
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = hydra_compose("config", overrides=[f"+sweep={sweep}"], return_hydra_config=True)
@@ -189,8 +189,8 @@ def test_a_run_dir_is_resumed_across_logging_and_newer_settings_but_not_across_w
 
     import yaml
 
-    from eaglelab.errors import EaglelabError
-    from eaglelab.rundir import previous_attempt
+    from eaglelab.core.errors import EaglelabError
+    from eaglelab.core.rundir import previous_attempt
 
     cfg = compose(QUICK, cache_dir, tmp_path)
     stored = asdict(cfg)
@@ -308,8 +308,8 @@ def test_a_postgresql_study_without_its_driver_is_one_line_naming_the_extra(cach
 def test_interrupted_attempts_logs_merge_with_every_step_once(tmp_path):
     """A SIGTERM flushes log rows past the last checkpoint; the resumed attempt logs those steps again. The
     merged metrics.csv keeps each attempt's rows only before the step the next attempt resumed from."""
-    from eaglelab.io import write_csv
-    from eaglelab.rundir import merge_logs
+    from eaglelab.core.io import write_csv
+    from eaglelab.core.rundir import merge_logs
 
     write_csv(tmp_path / "metrics.attempt1.csv", [{"step": s, "train/loss": 10 - s} for s in (4, 9, 14)])
     write_csv(tmp_path / "metrics.attempt2.csv", [{"step": s, "train/loss": 20 - s} for s in (9, 14, 19)])

@@ -10,11 +10,11 @@ import torch
 from test_drafter import small_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from eaglelab.batches import Batch, collate
-from eaglelab.config import TrainConfig
-from eaglelab.errors import TrainingError
-from eaglelab.trainer import make_trainer
-from eaglelab.training import DrafterModule
+from eaglelab.core.config import TrainConfig
+from eaglelab.core.errors import TrainingError
+from eaglelab.train.batches import Batch, collate
+from eaglelab.train.fit import make_trainer
+from eaglelab.train.ttt_module import DrafterModule
 
 from conftest import compose
 
@@ -84,7 +84,7 @@ def test_ttt_loss_equals_a_hand_computation(loss, monkeypatch):
     """kl: the teacher's log-probabilities kept once for every draft step (small); kl-recomputed: each step's from
     the target's states, as where they are too large to keep (`draft_loss.keeps_teacher`)."""
     if loss == "kl-recomputed":
-        monkeypatch.setattr("eaglelab.training.keeps_teacher", lambda positions, vocab: False)
+        monkeypatch.setattr("eaglelab.train.ttt_module.keeps_teacher", lambda positions, vocab: False)
     module, batch = loss_module(loss.split("-")[0], step_decay=0.5), hand_batch()
     with torch.no_grad():
         total, per_step, _, counted = module.ttt(batch, 3)
@@ -178,7 +178,7 @@ def test_keep_best_restores_the_weights_and_metrics_of_the_best_validation_pass(
     """train.keep=best's callback in the real Trainer: whatever epoch ends training, the weights restored are those
     of the pass with the highest validation τ (epoch 1 of 4 here), with that pass's metrics. They are kept in a file,
     not in memory: the checkpoint written after it names the epoch, and a resumed run restores the same weights."""
-    from eaglelab.training import KeepBest
+    from eaglelab.train.ttt_module import KeepBest
 
     overrides = ["experiment=smoke", "train.epochs=4", "train.precision=32-true", "train.checkpoint_every_n_steps=1"]
     cfg = compose(overrides, tmp_path / "cache", tmp_path)
@@ -208,10 +208,10 @@ def test_the_drafter_can_start_at_the_targets_last_layer_and_keep_its_lm_head_fr
     layer and fc get one."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eaglelab.drafter import DrafterFlags, Eagle3Config
-    from eaglelab.errors import EaglelabError
-    from eaglelab.targets import Target
-    from eaglelab.trainer import init_from_target, init_layers_from_target
+    from eaglelab.core.errors import EaglelabError
+    from eaglelab.data.targets import Target
+    from eaglelab.models.drafter import DrafterFlags, Eagle3Config
+    from eaglelab.train.fit import init_from_target, init_layers_from_target
 
     torch.manual_seed(0)
     llama = LlamaForCausalLM(
@@ -297,7 +297,7 @@ def test_deterministic_algorithms_on_a_cpu_not_on_cuda_unless_asked(monkeypatch,
     """train.deterministic=null: on a CPU the trainer keeps torch's deterministic algorithms (free there; the resume
     tests compare weights bit for bit); on CUDA it does not, where they cost cuDNN's attention (1.55x slower steps
     at T = 32k on an H200); true or false is kept wherever the run trains. `train.accelerator=auto` follows torch."""
-    from eaglelab.trainer import deterministic
+    from eaglelab.train.fit import deterministic
 
     assert deterministic(TrainConfig(accelerator="cpu")) is True
     assert deterministic(TrainConfig(accelerator="gpu")) is False
@@ -323,12 +323,12 @@ def plain_head_loss(hidden, weight, index=None, teacher_states=None, teacher_hea
 @pytest.mark.parametrize("loss", ["ce", "kl", "kl-kept"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_chunked_head_loss_equals_the_plain_expression_forward_and_backward(loss, precision):
-    """eaglelab.draft_loss against the plain log-softmax over the draft vocabulary: the loss, the drafts (argmax)
+    """eaglelab.train.loss against the plain log-softmax over the draft vocabulary: the loss, the drafts (argmax)
     and the gradients of the rows' states and of lm_head, over chunks of 7 rows (the last one short), in float32
     and under bf16 autocast (the logits in bf16, the softmax in float32, as training runs them). KL's teacher from
     the target's states at each chunk, or (kl-kept) read from its log-probabilities kept over more positions than
     the rows, in another order; and with few rows, the plain expression the loss then chooses."""
-    from eaglelab.draft_loss import draft_head_loss, teacher_log_probs
+    from eaglelab.train.loss import draft_head_loss, teacher_log_probs
 
     torch.manual_seed(0)
     N, H, V = 30, 16, 40
@@ -380,7 +380,7 @@ def test_the_non_finite_checks_wait_for_the_device_once_per_step_and_weights_onl
     step; the weights in one wait, at a step whose checkpoint follows (every 50 steps here), none at the others."""
     from types import SimpleNamespace
 
-    from eaglelab.training import StopOnNonFinite
+    from eaglelab.train.ttt_module import StopOnNonFinite
 
     module = DrafterModule(small_config(vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=H_T),
                            TrainConfig())  # fmt: skip
@@ -406,7 +406,7 @@ def test_token_budget_batches_group_lengths_cover_each_sequence_once_and_resume_
     """train.tokens_per_batch: every sequence once per epoch, each batch within the budget (rows × its longest) unless
     it is one sequence longer than the budget, far less padding than batches of a fixed count on a long-tailed mix,
     a seeded order that differs by epoch, and a resumed sampler that continues at the batch after the last taken."""
-    from eaglelab.training import EpochBatches
+    from eaglelab.train.ttt_module import EpochBatches
 
     g = torch.Generator().manual_seed(0)
     lengths = (50 + torch.rand(600, generator=g).pow(3) * 4000).long().tolist()  # 50..4,050 tokens, long-tailed
@@ -456,7 +456,7 @@ def test_a_resumed_loader_with_workers_reads_the_resumed_epochs_batches_from_its
     """Lightning makes a resumed run's loader iterator before it sets the sampler's epoch; loader workers fetch as soon
     as an iterator exists. The batches must still be those of the resumed epoch, from the one after the last taken
     (read too early, they were epoch 0's from its start: a resumed run with workers trained on other batches)."""
-    from eaglelab.training import EpochBatches, ResumableLoader
+    from eaglelab.train.ttt_module import EpochBatches, ResumableLoader
 
     sampler = EpochBatches(40, 2, seed=1)
     loader = ResumableLoader(
@@ -483,13 +483,13 @@ class AdamWStep(L.LightningModule):
         return (self.w * batch).pow(2).sum()  # ∂/∂w = 2·w·batch²: norm 4 at the first step, clipped to 0.5
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
-        from eaglelab.training import clip_gradients
+        from eaglelab.train.ttt_module import clip_gradients
 
         clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
         self.norms.append(float(self.w.grad.norm()))
 
     def configure_optimizers(self):
-        from eaglelab.training import adamw
+        from eaglelab.train.ttt_module import adamw
 
         return adamw([self.w], self.train_cfg)
 
@@ -499,7 +499,7 @@ def test_the_optimizer_is_fused_and_clips_its_gradients_under_every_precision(pr
     """AdamW fused under 32-true and bf16-mixed, whose clipping Lightning's mixed-precision plugin would refuse for a
     fused optimizer (bf16 has no GradScaler to unscale): both train through the real Trainer, clipped to
     train.grad_clip. Under 16-mixed with clipping it is the multi-tensor AdamW (a fused one would unscale after it)."""
-    from eaglelab.training import adamw
+    from eaglelab.train.ttt_module import adamw
 
     cfg = compose(
         ["experiment=smoke", f"train.precision={precision}", "train.grad_clip=0.5"], tmp_path, tmp_path / "run"
@@ -516,8 +516,8 @@ def test_the_optimizer_is_fused_and_clips_its_gradients_under_every_precision(pr
 def test_the_loaders_read_ahead_is_sized_in_bytes():
     """An 8B target's batch of 32,768 tokens (~0.8 GB of states): each of 4 workers reads one ahead within the 2 GB
     default (3.2 GB in all, where 4 ahead each held ~13 GB); small batches keep 4 ahead."""
-    from eaglelab.config import TrainConfig
-    from eaglelab.trainer import loader_options
+    from eaglelab.core.config import TrainConfig
+    from eaglelab.train.fit import loader_options
 
     gpu = TrainConfig(accelerator="gpu")
     assert loader_options(gpu, 805_000_000)["prefetch_factor"] == 1

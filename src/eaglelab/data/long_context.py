@@ -15,8 +15,8 @@ import sysconfig
 from functools import cache
 from pathlib import Path
 
+from eaglelab.core.errors import DataError
 from eaglelab.data.prompts import STDLIB_MODULES, Messages
-from eaglelab.errors import DataError
 
 # Long (>= 50 kB) pure-Python modules; none is in eaglelab.data.prompts.STDLIB_MODULES.
 MODULES = [

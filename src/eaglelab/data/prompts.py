@@ -23,7 +23,8 @@ from array import array
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from eaglelab.errors import DataError
+from eaglelab.core.errors import DataError
+from eaglelab.data.chat_prompts import chat_prompts
 
 log = logging.getLogger("eaglelab")
 
@@ -432,8 +433,6 @@ def load_source(
     if source in BUILTIN_SOURCES:
         return BUILTIN_SOURCES[source]()
     if source == "chat":
-        from eaglelab.data.chat_prompts import chat_prompts
-
         return chat_prompts()
     if source == "self_chat":
         if self_chat is None:

@@ -10,14 +10,19 @@ import contextlib
 import json
 import os
 import socket
+import time
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from eaglelab.acceptance import tail_room
 from eaglelab.data.capture import aux_hooks
+from eaglelab.data.templates import template_prompt
 from eaglelab.data.turns import Conversation, regenerate_turns
+from eaglelab.engine.jobs import ConversationJob, GenerateJob
+from eaglelab.engine.llm import complete, make_engine, tails
+from eaglelab.engine.process import progress, run_engine
+from eaglelab.models.acceptance import tail_room
 
 
 def stop_ids(target) -> set[int]:
@@ -39,6 +44,35 @@ def response_budget(prompt_len: int, max_new_tokens: int, max_length: int) -> in
     return min(max_new_tokens, max_length - prompt_len)
 
 
+class Continuation:
+    """One prompt's greedy continuation in its batch: the response, up to a stop id (kept) or its budget, then the
+    tail, `tail_room` more tokens past the response's end."""
+
+    def __init__(self, prompt_len: int, budget: int):
+        self.prompt_len, self.budget = prompt_len, budget
+        self.response: list[int] = []
+        self.tail: list[int] = []
+        self.tail_wanted = 0
+        self.ended = False  # the response is complete; the row is generating its tail
+
+    @property
+    def done(self) -> bool:
+        """The response and its tail are complete."""
+        return self.ended and len(self.tail) == self.tail_wanted
+
+    def take(self, token: int, stops: set[int], tail_tokens: int, max_length: int) -> bool:
+        """The next greedy token: the response's until it ends, then the tail's. -> whether it is a sequence token
+        (the response's)."""
+        if self.ended:
+            self.tail.append(token)
+            return False
+        self.response.append(token)
+        if token in stops or len(self.response) == self.budget:
+            self.ended = True
+            self.tail_wanted = tail_room(self.prompt_len + len(self.response), tail_tokens, max_length)
+        return True
+
+
 @torch.no_grad()
 def generate(
     target,
@@ -53,7 +87,7 @@ def generate(
 
     Each sequence has its own budget (`response_budget`) and ends at the first stop id, kept. Then
     `tail_tokens` more greedy tokens are generated past its end, the stop id fed like any token (none past
-    `max_length`: `eaglelab.acceptance.tail_room`): an engine verifying k drafts near the end scores them
+    `max_length`: `eaglelab.models.acceptance.tail_room`): an engine verifying k drafts near the end scores them
     against exactly these tokens before it truncates the output, so the simulated evaluator needs them to
     count as it does.
 
@@ -71,77 +105,100 @@ def generate(
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
             lens = [len(prompt_ids[i]) for i in idx]
-            B, W = len(idx), max(lens)
-            budgets = [response_budget(n, max_new_tokens, max_length) for n in lens]
-            ids = torch.full((B, W), pad, dtype=torch.long, device="cpu")  # filled on the host
-            mask = torch.zeros_like(ids)
-            for row, i in enumerate(idx):
-                ids[row, W - lens[row] :] = torch.tensor(prompt_ids[i], device="cpu")
-                mask[row, W - lens[row] :] = 1
-            ids, mask = ids.to(device), mask.to(device)
+            seqs = [Continuation(n, response_budget(n, max_new_tokens, max_length)) for n in lens]
+            ids, mask = left_padded([prompt_ids[i] for i in idx], pad, device)
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             # Logits of the last prompt position only: labels are never needed inside the prompt (the
             # first draft is made from position P-1), and full-vocab logits of a whole batch of
             # prompts would cost B·W·V floats.
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
             states = [[] for _ in idx]  # per row: list of (aux [t, n·H], final [t, H], next [t])
-
-            def record(rows, logits, prefill):
-                nxt = logits[:, -1].argmax(-1)
-                for row in rows:
-                    sl = slice(W - lens[row], None) if prefill else slice(None)
-                    aux = torch.cat([grabbed[k][row, sl] for k in capture_layers], dim=-1)
-                    nexts = torch.full((aux.shape[0],), -1, dtype=torch.long, device=device)  # -1: in the prompt
-                    nexts[-1] = nxt[row]
-                    states[row].append((aux, grabbed["final"][row, sl], nexts))
-
+            record = state_recorder(states, grabbed, capture_layers, lens, device)
             if capture_layers:
-                record(range(B), out.logits, prefill=True)
+                record(range(len(idx)), out.logits, prefill=True)
             nxt = out.logits[:, -1].argmax(-1).tolist()
-            responses: list[list[int]] = [[] for _ in idx]
-            tails: list[list[int]] = [[] for _ in idx]
-            tail_wanted = [0] * B
-            ended = [False] * B  # the response is complete; the row is generating its tail
             while True:
-                fed, in_sequence = [], []  # rows fed this step; those whose fed token is a sequence token
-                for row in range(B):
-                    if ended[row] and len(tails[row]) == tail_wanted[row]:
-                        continue  # done
-                    if not ended[row]:
-                        responses[row].append(nxt[row])
-                        in_sequence.append(row)
-                        if nxt[row] in stops or len(responses[row]) == budgets[row]:
-                            ended[row] = True
-                            tail_wanted[row] = tail_room(lens[row] + len(responses[row]), tail_tokens, max_length)
-                    else:
-                        tails[row].append(nxt[row])
-                    done = ended[row] and len(tails[row]) == tail_wanted[row]
-                    # A finished row is fed once more only for its last token's states.
-                    if not done or (capture_layers and row in in_sequence):
-                        fed.append(row)
+                fed, in_sequence = take_next_tokens(seqs, nxt, stops, tail_tokens, max_length, capture_layers)
                 if not fed:
                     break
-                feed = torch.zeros(B, dtype=torch.bool, device=device)
-                feed[fed] = True
-                tokens = torch.tensor(nxt, device=device)
-                mask = torch.cat([mask, mask.new_ones(B, 1)], dim=-1)
-                positions = positions[:, -1:] + 1
-                out = model(
-                    input_ids=torch.where(feed, tokens, pad)[:, None],
-                    attention_mask=mask,
-                    position_ids=positions,
-                    past_key_values=out.past_key_values,
-                    use_cache=True,
-                )
+                out, mask, positions = decode_step(model, out, nxt, fed, mask, positions, pad)
                 if capture_layers:
                     record(in_sequence, out.logits, prefill=False)
                 nxt = out.logits[:, -1].argmax(-1).tolist()
             for row, i in enumerate(idx):
-                captured = None
-                if capture_layers:
-                    aux, final, nexts = zip(*states[row])
-                    captured = {"aux": torch.cat(aux), "final": torch.cat(final), "target_next": torch.cat(nexts)}
-                yield Generated(i, responses[row], tails[row], captured)
+                captured = captured_states(states[row]) if capture_layers else None
+                yield Generated(i, seqs[row].response, seqs[row].tail, captured)
+
+
+def left_padded(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of prompts padded on the left to the longest (filled on the host) -> (ids [B, W], mask [B, W])."""
+    lens = [len(p) for p in prompts]
+    B, W = len(prompts), max(lens)
+    ids = torch.full((B, W), pad, dtype=torch.long, device="cpu")  # filled on the host
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, W - lens[row] :] = torch.tensor(prompt, device="cpu")
+        mask[row, W - lens[row] :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def state_recorder(states: list[list], grabbed: dict, capture_layers: list[int] | None, lens: list[int], device):
+    """-> record(rows, logits, prefill): keeps what one forward's hooks grabbed for `rows` in `states` (a prefill's
+    past the left padding), with the greedy next token at its last position (-1 at the others: in the prompt)."""
+    W = max(lens)
+
+    def record(rows, logits, prefill):
+        nxt = logits[:, -1].argmax(-1)
+        for row in rows:
+            sl = slice(W - lens[row], None) if prefill else slice(None)
+            aux = torch.cat([grabbed[k][row, sl] for k in capture_layers], dim=-1)
+            nexts = torch.full((aux.shape[0],), -1, dtype=torch.long, device=device)  # -1: in the prompt
+            nexts[-1] = nxt[row]
+            states[row].append((aux, grabbed["final"][row, sl], nexts))
+
+    return record
+
+
+def take_next_tokens(
+    seqs: list[Continuation], nxt: list[int], stops: set[int], tail_tokens: int, max_length: int, capture_layers
+) -> tuple[list[int], list[int]]:
+    """Each unfinished row takes its greedy next token -> (the rows fed this step, those whose fed token is a
+    sequence token)."""
+    fed, in_sequence = [], []
+    for row, seq in enumerate(seqs):
+        if seq.done:
+            continue
+        if seq.take(nxt[row], stops, tail_tokens, max_length):
+            in_sequence.append(row)
+        # A finished row is fed once more only for its last token's states.
+        if not seq.done or (capture_layers and row in in_sequence):
+            fed.append(row)
+    return fed, in_sequence
+
+
+def decode_step(model, out, nxt: list[int], fed: list[int], mask: torch.Tensor, positions: torch.Tensor, pad: int):
+    """One forward of one token per row through the KV cache: the rows `fed` their next token, the others a pad.
+    -> (the model's output, the mask and positions grown by that token)."""
+    B = len(nxt)
+    feed = torch.zeros(B, dtype=torch.bool, device=mask.device)
+    feed[fed] = True
+    tokens = torch.tensor(nxt, device=mask.device)
+    mask = torch.cat([mask, mask.new_ones(B, 1)], dim=-1)
+    positions = positions[:, -1:] + 1
+    out = model(
+        input_ids=torch.where(feed, tokens, pad)[:, None],
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=out.past_key_values,
+        use_cache=True,
+    )
+    return out, mask, positions
+
+
+def captured_states(pieces: list[tuple]) -> dict:
+    """A sequence's states, its forwards' pieces joined: aux [T, n·H], final [T, H], target_next [T]."""
+    aux, final, nexts = zip(*pieces)
+    return {"aux": torch.cat(aux), "final": torch.cat(final), "target_next": torch.cat(nexts)}
 
 
 def generate_vllm(
@@ -156,41 +213,35 @@ def generate_vllm(
     """The same greedy continuations and tails from vLLM (its own process; continuous batching within a shard),
     shard by shard: -> ({shard: [(response, tail)]}, seconds spent generating, engine start excluded). Each
     shard's responses reach `workdir/shards/` as soon as the engine has them, and shards already there (from a
-    killed attempt) are not generated again. States are captured afterwards (eaglelab.data.jobs)."""
+    killed attempt) are not generated again. States are captured afterwards (eaglelab.data.make_shards)."""
     out_dir = Path(workdir) / "shards"
     todo = {i: p for i, p in shards.items() if not (out_dir / f"{i}.json").is_file()}
     result = {"seconds": 0.0}
     budgets = {i: [response_budget(len(x), max_new_tokens, max_length) for x in p] for i, p in todo.items()}
     if todo:
         max_tokens = {str(i): b for i, b in budgets.items()}
-        result = _generate_job(target, todo, max_length, workdir, tail_tokens, parallel, max_tokens=max_tokens)
+        result = _run_generation(target, GenerateJob, todo, max_length, workdir, tail_tokens, parallel,
+                                 max_tokens=max_tokens)  # fmt: skip
     return {i: [tuple(rt) for rt in json.loads((out_dir / f"{i}.json").read_text())] for i in shards}, result["seconds"]
 
 
-def _generate_job(target, todo: dict, max_length: int, workdir, tail_tokens: int, parallel: dict | None,
-                  module: str | None = None, **job) -> dict:  # fmt: skip
-    """One vLLM regeneration engine over the shards `todo` (eaglelab.vllm_engine's generate job; `module`: another
-    module's handler of it), its responses written to `workdir/shards/<shard>.json` as each shard finishes."""
-    from eaglelab.vllm_engine import run_engine
-
-    return run_engine(
-        {
-            "mode": "generate",
-            "target": str(target.path),
-            "shards": {str(i): items for i, items in todo.items()},
-            "tail_tokens": tail_tokens,
-            "shard_dir": str(Path(workdir) / "shards"),
-            "stop_token_ids": sorted(stop_ids(target)),
-            "dtype": str(target.dtype).split(".")[-1],
-            "max_model_len": max_length,
-            "engines": len(todo),  # the progress bar counts shards
-            **(parallel or {}),  # tensor_parallel_size, pipeline_parallel_size
-            **job,
-        },
-        Path(workdir) / f"engine-{socket.gethostname()}-{os.getpid()}",  # its job and log files: this process's
-        desc="regenerate (vLLM)",
-        **({"module": module} if module else {}),
+def _run_generation(target, job_kind, todo: dict, max_length: int, workdir, tail_tokens: int, parallel: dict | None,
+                    **fields) -> dict:  # fmt: skip
+    """One vLLM regeneration engine over the shards `todo` (a GenerateJob or a ConversationJob), its responses written
+    to `workdir/shards/<shard>.json` as each shard finishes."""
+    job = job_kind(
+        target=str(target.path),
+        shards={str(i): items for i, items in todo.items()},
+        tail_tokens=tail_tokens,
+        shard_dir=str(Path(workdir) / "shards"),
+        stop_token_ids=sorted(stop_ids(target)),
+        dtype=str(target.dtype).split(".")[-1],
+        max_model_len=max_length,
+        **(parallel or {}),  # tensor_parallel_size, pipeline_parallel_size
+        **fields,
     )
+    workdir = Path(workdir) / f"engine-{socket.gethostname()}-{os.getpid()}"  # its job and log files: this process's
+    return run_engine(job, workdir, desc="regenerate (vLLM)", engines=len(todo))  # (the progress bar counts shards)
 
 
 def generate_vllm_turns(
@@ -203,52 +254,78 @@ def generate_vllm_turns(
     tail_tokens: int = 0,
     parallel: dict | None = None,
 ) -> dict[int, list[Conversation]]:
-    """Multi-turn conversations answered turn by turn by vLLM (`turns_job` in the engine's process: one engine
-    start for every round of every shard), shard by shard as generate_vllm does:
+    """Multi-turn conversations answered turn by turn by vLLM (`answer_conversations` in the engine's process: one
+    engine start for every round of every shard), shard by shard as generate_vllm does:
     -> {shard: [eaglelab.data.turns.Conversation]}."""
     out_dir = Path(workdir) / "shards"
     todo = {i: c for i, c in shards.items() if not (out_dir / f"{i}.json").is_file()}
-    if todo:  # (conversations: no max_tokens; the engine's process answers them with `turns_job`)
-        _generate_job(target, todo, max_length, workdir, tail_tokens, parallel, module=__name__,
-                      system_prompt=system_prompt, max_new_tokens=max_new_tokens)  # fmt: skip
+    if todo:
+        _run_generation(target, ConversationJob, todo, max_length, workdir, tail_tokens, parallel,
+                        system_prompt=system_prompt, max_new_tokens=max_new_tokens)  # fmt: skip
     read = lambda i: json.loads((out_dir / f"{i}.json").read_text())  # noqa: E731
     return {i: [Conversation(p, r, t, [tuple(s) for s in spans], n) for p, r, t, spans, n in read(i)] for i in shards}
 
 
-def turns_job(job: dict) -> dict:
-    """The engine's process (`python -m eaglelab.data.regenerate JOB OUT`): each shard's conversations answered
-    turn by turn with the engine (eaglelab.vllm_engine.regenerate_job), rendered in the target's chat template as
-    the HF backend renders them."""
+# --- in the engine's process (eaglelab.engine.jobs) -----------------------------------------------------------------
+def answer_prompts(job: GenerateJob) -> dict:
+    """Each shard's prompts answered greedily within their budgets, with each response's tail."""
+
+    def answer_shard(answer, prompts, shard):
+        rows = answer(prompts, job.max_tokens[shard])
+        return rows, sum(len(response) for response, _ in rows)
+
+    return _answer_shards(job, answer_shard)
+
+
+def answer_conversations(job: ConversationJob) -> dict:
+    """Each shard's conversations answered turn by turn, rendered in the target's chat template as the HF backend
+    renders them."""
     from transformers import AutoTokenizer
 
-    from eaglelab.vllm_engine import regenerate_job
+    tokenizer, limit = AutoTokenizer.from_pretrained(job.target), job.max_model_len
+    chat = chat_turns(tokenizer, job.system_prompt, set(job.stop_token_ids))
 
-    tokenizer, limit = AutoTokenizer.from_pretrained(job["target"]), job["max_model_len"]
-    chat = chat_turns(tokenizer, job["system_prompt"], set(job["stop_token_ids"]))
-
-    def answer_shard(answer, conversations):
+    def answer_shard(answer, conversations, shard):
         def generate(prompts):
-            return answer(prompts, [response_budget(len(p), job["max_new_tokens"], limit) for p in prompts])
+            return answer(prompts, [response_budget(len(p), job.max_new_tokens, limit) for p in prompts])
 
         answered = regenerate_turns(conversations, generate=generate, limit=limit, **chat)
         said = sum(len(c.response) + sum(e - s for s, e in c.spans) for c in answered)
         return [list(c) for c in answered], said
 
-    return regenerate_job(job, answer_shard)
+    return _answer_shards(job, answer_shard)
+
+
+def _answer_shards(job: GenerateJob | ConversationJob, answer_shard) -> dict:
+    """Shard by shard, each shard's rows written (atomically) as soon as it is done: a killed engine loses at most
+    the shard in flight. `answer_shard(answer, items, shard) -> (rows, output tokens)` answers one shard's items
+    with this engine's `answer(prompts, budgets) -> [[response, tail]]` -> {"seconds", "output_tokens"}."""
+    llm = make_engine(job)
+    out_dir = Path(job.shard_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    seconds, tokens = 0.0, 0
+
+    def answer(prompts: list[list[int]], budgets) -> list[list[list[int]]]:
+        outs = complete(llm, prompts, budgets, job.stop_token_ids)
+        return [[o, t] for o, t in zip(outs, tails(llm, prompts, outs, job.tail_tokens, job.max_model_len))]
+
+    for shard, items in job.shards.items():
+        t0 = time.perf_counter()
+        rows, n = answer_shard(answer, items, shard)
+        dt = time.perf_counter() - t0
+        tmp = out_dir / f".{shard}.json.tmp"
+        tmp.write_text(json.dumps(rows))
+        os.replace(tmp, out_dir / f"{shard}.json")
+        seconds, tokens = seconds + dt, tokens + n
+        progress(f"shard {shard}: {n / dt:.0f} tok/s")
+    return {"seconds": seconds, "output_tokens": tokens}
 
 
 def chat_turns(tokenizer, system_prompt: str | None, stops: set[int]) -> dict:
     """How both backends hold a conversation (eaglelab.data.turns.regenerate_turns' render and decode): rendered in
     the target's chat template, each answer kept as its text, the end-of-turn id the template writes left out."""
-    from eaglelab.data.templates import template_prompt
 
     return {
         "render": lambda messages: template_prompt(tokenizer, messages, system_prompt),
         "decode": lambda ids: tokenizer.decode(ids[:-1] if ids and ids[-1] in stops else ids),
     }
-
-
-if __name__ == "__main__":
-    from eaglelab.vllm_engine import main
-
-    main(turns_job)

@@ -1,4 +1,4 @@
-"""Conversations -> token ids in the target's chat template: the data stage's first step (eaglelab.data.prepare),
+"""Conversations -> token ids in the target's chat template: the data stage's first step (eaglelab.data.prepare_set),
 before any engine runs. A prompt that leaves no room for a response is skipped. A multi-turn conversation answered
 turn by turn (`turns="all"`) is kept when its first round fits; the rounds that follow are rendered as the target
 answers them (eaglelab.data.turns), and the longest its last prompt can be sizes and sorts it. A prompt that ends
@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eaglelab.data.entry import CaptureSettings, SetRequest
+from eaglelab.core.errors import DataError
+from eaglelab.data.cache_entry import CaptureSettings, SetRequest
 from eaglelab.data.prompts import Messages, question
 from eaglelab.data.regenerate import response_budget, stop_ids
 from eaglelab.data.templates import template_prompt, template_response
 from eaglelab.data.turns import history, is_multi_turn, longest_prompt, original_turns, rounds
-from eaglelab.errors import DataError
 
 log = logging.getLogger("eaglelab")
 

@@ -9,7 +9,7 @@ Candidates are generated in seeded batches and cached as they come (`<cache_dir>
 one JSONL file per batch, renamed into place when whole), so asking for more prompts later extends the same
 stream and a killed generation keeps its finished batches. The key holds everything that decides the text:
 the target, the prefix, the sampling settings and the seed (and the sampler: HF's `generate` here, or a vLLM engine
-in its own process where vLLM regenerates, `sample_job`: then the target's weights never load in this process, as
+in its own process where vLLM regenerates, `sample_requests`: then the target's weights never load in this process, as
 the data stage's other engines keep them out of it). Filtering runs on read.
 """
 
@@ -25,11 +25,15 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from eaglelab.config import SelfChatSettings
+from eaglelab.core.config import SelfChatSettings
+from eaglelab.core.errors import DataError
+from eaglelab.core.io import atomic_write_text, file_lock
+from eaglelab.data.cache_entry import cache_key
 from eaglelab.data.prompts import Messages
 from eaglelab.data.regenerate import stop_ids
-from eaglelab.errors import DataError
-from eaglelab.io import atomic_write_text, file_lock
+from eaglelab.engine.jobs import SelfChatJob
+from eaglelab.engine.llm import make_engine
+from eaglelab.engine.process import progress, run_engine
 
 log = logging.getLogger("eaglelab")
 
@@ -112,46 +116,41 @@ def _write_batch(folder: Path, b: int, rows: list[dict]) -> None:
 
 def _sample_with_vllm(target, prefix: list[int], stops: set[int], settings: SelfChatSettings, engine: dict,
                       folder: Path, batches: dict[int, int], workdir: Path) -> None:  # fmt: skip
-    """Batches {b: seed} sampled by a vLLM engine in its own process (`sample_job`), each written to `folder` as
+    """Batches {b: seed} sampled by a vLLM engine in its own process (`sample_requests`), each written to `folder` as
     `batch-<b>.jsonl` as it finishes."""
-    from eaglelab.vllm_engine import run_engine
-
-    job = {
-        "mode": "self_chat",
-        "target": str(target.path),
-        "dtype": str(target.dtype).split(".")[-1],
-        "max_model_len": len(prefix) + settings.max_new_tokens + 1,
-        "prefix": prefix,
-        "stop_token_ids": sorted(stops),
-        "settings": asdict(settings),
-        "batches": {str(b): s for b, s in batches.items()},
-        "folder": str(folder),
-        "engines": len(batches),  # the progress bar counts batches
-        "unit": "batch",
-        **engine,
-    }
-    run_engine(job, workdir, desc="self_chat (vLLM)", module=__name__)
+    job = SelfChatJob(
+        target=str(target.path),
+        dtype=str(target.dtype).split(".")[-1],
+        max_model_len=len(prefix) + settings.max_new_tokens + 1,
+        prefix=prefix,
+        stop_token_ids=sorted(stops),
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        max_new_tokens=settings.max_new_tokens,
+        batch_size=settings.batch_size,
+        batches={str(b): s for b, s in batches.items()},
+        folder=str(folder),
+        **engine,  # tensor_parallel_size, pipeline_parallel_size
+    )
+    run_engine(job, workdir, desc="self_chat (vLLM)", engines=len(batches), unit="batch")
 
 
-def sample_job(job: dict) -> dict:
-    """The engine's process (`python -m eaglelab.data.self_chat JOB OUT`): each batch is `batch_size` samples from the
-    user-turn prefix, seeded with its own seed (a batch's text does not depend on which others share its engine),
-    a candidate closed where the target ended its turn (a stop id)."""
+def sample_requests(job: SelfChatJob) -> dict:
+    """In the engine's process: each batch is `batch_size` samples from the user-turn prefix, seeded with its own
+    seed (a batch's text does not depend on which others share its engine), a candidate closed where the target
+    ended its turn (a stop id)."""
     from vllm import SamplingParams
 
-    from eaglelab.vllm_engine import make_engine, progress
-
-    s = job["settings"]
     llm = make_engine(job)
-    for b, seed in job["batches"].items():
+    for b, seed in job.batches.items():
         # A request per sample, each seeded (batch_size <= SAMPLES_PER_SEED: batch b's seeds never meet batch b + 1's):
         # one request of n samples draws the same n for every seed (vLLM 0.32)
-        params = [SamplingParams(temperature=s["temperature"], top_p=s["top_p"], seed=seed * SAMPLES_PER_SEED + i,
-                                 max_tokens=s["max_new_tokens"], stop_token_ids=job["stop_token_ids"])
-                  for i in range(s["batch_size"])]  # fmt: skip
-        outs = llm.generate([{"prompt_token_ids": job["prefix"]}] * len(params), params, use_tqdm=False)
+        params = [SamplingParams(temperature=job.temperature, top_p=job.top_p, seed=seed * SAMPLES_PER_SEED + i,
+                                 max_tokens=job.max_new_tokens, stop_token_ids=job.stop_token_ids)
+                  for i in range(job.batch_size)]  # fmt: skip
+        outs = llm.generate([{"prompt_token_ids": job.prefix}] * len(params), params, use_tqdm=False)
         rows = [{"text": o.outputs[0].text, "closed": o.outputs[0].finish_reason == "stop"} for o in outs]
-        _write_batch(Path(job["folder"]), int(b), rows)
+        _write_batch(Path(job.folder), int(b), rows)
         progress(f"batch {b}")
     return {}
 
@@ -169,7 +168,6 @@ def self_chat_prompts(
     """`count` distinct user requests the target wrote, as single-turn conversations (fewer, with a warning, if
     the target keeps repeating itself). `engine`: sampled by a vLLM engine with these settings (its
     tensor_parallel_size, pipeline_parallel_size) instead of the HF model in this process."""
-    from eaglelab.data.entry import cache_key  # the one hashing rule of every cache entry
 
     settings = settings or SelfChatSettings()
     prefix = user_turn_prefix(target.tokenizer, system_prompt)
@@ -221,9 +219,3 @@ def self_chat_prompts(
             count,
         )
     return [[{"role": "user", "content": t}] for t in texts]
-
-
-if __name__ == "__main__":  # a vLLM sampling engine's process (`_sample_with_vllm`)
-    from eaglelab.vllm_engine import main
-
-    main(sample_job)

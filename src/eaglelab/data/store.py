@@ -29,8 +29,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from eaglelab.io import atomic_file, atomic_write_json, file_lock
-from eaglelab.preemption import uninterruptible
+from eaglelab.core.io import atomic_file, atomic_write_json, file_lock
+from eaglelab.core.preemption import uninterruptible
 
 # max_tokens: the sequence's response budget (its request's `max_tokens` when vLLM serves it); tail: the target's
 # greedy continuation past the sequence's end, which a verifier scores drafts past the end against; spans: the

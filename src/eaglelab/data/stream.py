@@ -2,7 +2,7 @@
 Mooncake store, and nothing is written to disk per training token.
 
     token shards (the cache's regen/ entry: ids, 4 bytes a token)
-        -> capture engine (eaglelab.data.vllm_capture.stream_job: one prefill per sequence, vLLM's
+        -> capture engine (eaglelab.data.vllm_capture.stream_samples: one prefill per sequence, vLLM's
            extract_hidden_states, hs_connectors' Mooncake connector)
         -> Mooncake store: one object per sample and trial reading it, `<stream>-<trial>-<position>` (aux [T, n·H]
            and norm(h_L) [T, H] in bf16, the greedy labels [T] int64; laid out by hs_connectors' `packed_layout`)
@@ -34,13 +34,15 @@ import socket
 import subprocess
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-from eaglelab.errors import DataError, EaglelabError
-from eaglelab.vllm_engine import die_with_parent, stop_process
+from eaglelab.core.errors import DataError, EaglelabError
+from eaglelab.core.io import atomic_write_json
+from eaglelab.engine.jobs import StreamJob
+from eaglelab.engine.process import die_with_parent, run_engine, stop_process
 
 log = logging.getLogger("eaglelab")
 
@@ -309,11 +311,11 @@ def publish_json(store, key: str, value) -> None:
 
 # --- the engine, supervised ---------------------------------------------------------------------------------------
 class EngineSupervisor:
-    """The stream's capture engine (`python -m eaglelab.data.vllm_capture`, mode "stream"), run in a thread of trainer
+    """The stream's capture engine (a StreamJob: eaglelab.data.vllm_capture.stream_samples), run in a thread of trainer
     rank 0 and started again when it dies (`restarts` times): it resumes where it had published up to. `stop()` asks
     it to end (`<stream>-stop`) and waits for it."""
 
-    def __init__(self, job: dict, workdir: Path, restarts: int, launcher: list[str] | None = None):
+    def __init__(self, job: StreamJob, workdir: Path, restarts: int, launcher: list[str] | None = None):
         self.job, self.workdir, self.restarts, self.launcher = job, workdir, restarts, launcher
         self.deaths, self.error, self.result = 0, None, None
         self._stopping = threading.Event()
@@ -321,13 +323,11 @@ class EngineSupervisor:
         self._thread.start()
 
     def _run(self) -> None:
-        from eaglelab.vllm_engine import run_engine
-
         while not self._stopping.is_set():
             try:
                 self.result = run_engine(
-                    {**self.job, "attempt": self.deaths}, self.workdir, timeout=10**7, desc="stream states (vLLM)",
-                    module="eaglelab.data.vllm_capture", launcher=self.launcher,
+                    replace(self.job, attempt=self.deaths), self.workdir, timeout=10**7, desc="stream states (vLLM)",
+                    launcher=self.launcher,
                 )  # fmt: skip
                 return
             except EaglelabError as e:
@@ -343,14 +343,14 @@ class EngineSupervisor:
 
     def _mark_failed(self) -> None:
         try:
-            publish_json(connect(StoreAddress(**self.job["address"])), f"{self.job['name']}-failed", self.error)
+            publish_json(connect(StoreAddress(**self.job.address)), f"{self.job.name}-failed", self.error)
         except Exception as e:  # noqa: BLE001 (the readers time out instead, naming the log)
             log.warning("could not mark the stream failed: %s", e)
 
     def stop(self, store=None) -> None:
         self._stopping.set()
-        client = store or connect(StoreAddress(**self.job["address"]))
-        publish_json(client, f"{self.job['name']}-stop", True)
+        client = store or connect(StoreAddress(**self.job.address))
+        publish_json(client, f"{self.job.name}-stop", True)
         if store is None:
             client.close()
         self._thread.join(timeout=120)
@@ -361,6 +361,5 @@ def spec_file(run_dir: Path) -> Path:
 
 
 def write_spec(spec: StreamSpec, run_dir: Path) -> None:
-    from eaglelab.io import atomic_write_json
 
     atomic_write_json(spec_file(run_dir), asdict(spec))

