@@ -271,7 +271,7 @@ def test_run_writes_an_acceptance_figure_of_its_tables(smoke_runs, tmp_path, mon
     import numpy as np
     from PIL import Image
 
-    from eaglelab.evaluate.held_out import plots
+    from eaglelab.evaluate import plots
 
     for name in ("acceptance.csv", "per_position.csv", "depth_accuracy.csv"):
         shutil.copy(smoke_runs.a / name, tmp_path / name)
