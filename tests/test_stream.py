@@ -20,6 +20,14 @@ SMOKE = ["experiment=smoke", "eval.suites.drift.enabled=false", "eval.suites.ext
 COMPARED = ("acceptance_length@k1", "acceptance_length@k3", "val/acceptance_length@k3", "train/loss", "val/acc@d1")
 
 
+def cmdline(process: psutil.Process) -> str:
+    """A process's command line; "" for one that ended meanwhile (a zombie, or gone): not the engine."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
+
+
 def du(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.exists() else 0
 
@@ -81,7 +89,7 @@ def test_a_killed_engine_is_started_again_and_nothing_is_trained_twice(paired, t
             logs = list(results.glob("runs/*/stream/vllm.log"))
             if logs and "published samples 0-" in logs[0].read_text(errors="replace"):
                 kids = psutil.Process(proc.pid).children(recursive=True)
-                engine = next((p for p in kids if "eaglelab.data.vllm_capture" in " ".join(p.cmdline())), None)
+                engine = next((p for p in kids if "-m eaglelab.engine " in cmdline(p)), None)  # its StreamJob
             time.sleep(0.02)
         engine.kill()
         _, err = proc.communicate(timeout=600)
