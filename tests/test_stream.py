@@ -28,6 +28,17 @@ def cmdline(process: psutil.Process) -> str:
         return ""
 
 
+def same_drafter_after_a_kill(metrics: dict, uninterrupted: dict) -> None:
+    """A stream that lost its engine or its trial part-way trains the uninterrupted stream's drafter: τ, validation τ
+    and accuracy exactly; the mean step loss to 1e-6. Measured on a 2-core Zen 4 (no AMX), at 5f0949c and after
+    alike: what trains after the kill differs from the uninterrupted stream in its last bits (train/loss 2.4622893 vs
+    2.4622891), where on the AMX Xeon the tests were written on it was bitwise equal. Cause not yet pinned down (not
+    vLLM's prefix cache in the capture engine: measured without it too)."""
+    for key in COMPARED:
+        expected = pytest.approx(uninterrupted[key], rel=1e-6) if key == "train/loss" else uninterrupted[key]
+        assert metrics[key] == expected, key
+
+
 def du(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.exists() else 0
 
@@ -102,8 +113,7 @@ def test_a_killed_engine_is_started_again_and_nothing_is_trained_twice(paired, t
     assert metrics["stream/engine_restarts"] == 1
     assert "the stream's engine died (vLLM engine failed (exit -9)" in (run_dir / "run.log").read_text()
     trained_once_each(run_dir, metrics)
-    for key in COMPARED:
-        assert metrics[key] == paired["stream"][1][key], key
+    same_drafter_after_a_kill(metrics, paired["stream"][1])
 
 
 def test_an_unreachable_store_is_one_line(tmp_path):
@@ -227,5 +237,4 @@ def test_a_killed_trial_resumes_on_a_stream_of_its_own(paired, tmp_path):
     assert json.loads((run_dir / "run.json").read_text())["attempt"] == 2
     plan = np.load(run_dir / "stream" / "plan.npy")
     assert 0 < metrics["stream/samples_streamed"] < len(plan), "the new stream starts at the first unread batch"
-    for key in COMPARED:
-        assert metrics[key] == paired["stream"][1][key], key
+    same_drafter_after_a_kill(metrics, paired["stream"][1])
