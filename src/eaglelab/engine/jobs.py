@@ -227,10 +227,14 @@ class EvaluateJob(EngineJob):
         return [(len(p), b) for g in self.groups.values() for p, b in zip(g["prompts"], budgets(g))]
 
 
+def request_budgets(max_tokens, n: int) -> list[int]:
+    """Per-prompt budgets: one for all, or each sequence's own (the budget it was regenerated with)."""
+    return list(max_tokens) if isinstance(max_tokens, list) else [max_tokens] * n
+
+
 def budgets(group: dict) -> list[int]:
-    """A prompt group's budgets, one per prompt: its `max_tokens` list, or one budget for all."""
-    b = group["max_tokens"]
-    return list(b) if isinstance(b, list) else [b] * len(group["prompts"])
+    """A prompt group's budgets, one per prompt."""
+    return request_budgets(group["max_tokens"], len(group["prompts"]))
 
 
 KINDS = {k.__name__: k for k in (GenerateJob, ConversationJob, SelfChatJob, CaptureJob, StreamJob, EvaluateJob)}

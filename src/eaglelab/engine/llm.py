@@ -10,7 +10,7 @@ import json
 import os
 from pathlib import Path
 
-from eaglelab.engine.jobs import EngineJob
+from eaglelab.engine.jobs import EngineJob, request_budgets
 from eaglelab.engine.process import cuda_available
 from eaglelab.models.acceptance import tail_room
 
@@ -190,11 +190,6 @@ def complete(
     ]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def request_budgets(max_tokens, n: int) -> list[int]:
-    """Per-prompt budgets: one for all, or each sequence's own (the budget it was regenerated with)."""
-    return list(max_tokens) if isinstance(max_tokens, list) else [max_tokens] * n
 
 
 def tails(llm, prompts, responses, tail_tokens: int, max_model_len: int) -> list[list[int]]:
