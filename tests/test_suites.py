@@ -13,6 +13,7 @@ from eaglelab.data.templates import CONDITIONS, renderer
 from eaglelab.evaluate.drift import drift_diagnostics
 from eaglelab.models.drafter import Attention
 from eaglelab.pipeline import run
+from eaglelab.results.summary import run_summary
 
 from conftest import compose
 
@@ -220,13 +221,15 @@ def test_suites_on_a_training_run(cache_dir, tmp_path, capsys):
                 "eval.suites.long_context.num_prompts=2",
                 "eval.suites.templates.num_prompts=3",
                 "eval.suites.templates.conditions=[native,no_template,bos_on,system_long]",
+                "eval.suites.benchmarks.num_prompts=2",
+                "eval.suites.benchmarks.max_new_tokens=32",
             ],
             cache_dir,
             tmp_path / "run",
         )
     )
     suites = run_dir / "suites"
-    for name in ("drift", "extrapolation", "long_context", "templates"):
+    for name in ("drift", "extrapolation", "long_context", "templates", "benchmarks"):
         assert (suites / f"{name}.csv").is_file() and (suites / f"{name}.png").is_file(), name
         assert (suites / f"{name}.pdf").is_file(), name
     info = json.loads((run_dir / "run.json").read_text())
@@ -250,6 +253,14 @@ def test_suites_on_a_training_run(cache_dir, tmp_path, capsys):
         "long_context/simulated/acceptance_length@384@k3",
         "templates/simulated/ratio_to_native@no_template@k3",
     } <= set(metrics)
+    # Each benchmark on its own at the held-out set's depths: MT-Bench's 2 questions are 4 requests, HumanEval's 2
+    benchmarks = {(r["condition"], int(r["k"])): r for r in read_csv(suites / "benchmarks.csv")}
+    assert set(benchmarks) == {(n, k) for n in ("mt_bench", "humaneval") for k in (1, 3, 8)}
+    assert metrics["benchmarks/prompts@mt_bench"] == 4 and metrics["benchmarks/prompts@humaneval"] == 2
+    for n in ("mt_bench", "humaneval"):
+        tau = metrics[f"benchmarks/simulated/acceptance_length@{n}@k3"]
+        assert tau == pytest.approx(float(benchmarks[(n, 3)]["acceptance_length"])) and tau >= 1.0
+    assert "MT-Bench (4 requests): τ@1/3/8 simulated" in "\n".join(run_summary(run_dir))
     drift = read_csv(suites / "drift.csv")
     assert [int(r["depth"]) for r in drift] == list(range(1, 9))
 
@@ -265,3 +276,53 @@ def test_suites_on_a_training_run(cache_dir, tmp_path, capsys):
     for name in ("drift", "long_context", "templates", "extrapolation"):
         assert (tmp_path / "cmp" / f"{name}.png").is_file(), name
     assert compare_suites.main([str(unfinished), "--out", str(tmp_path / "cmp2")]) == 2
+
+
+def test_mt_bench_is_run_as_the_field_runs_it(cache_dir, tmp_path):
+    """MT-Bench's 80 questions are 160 requests, each question's first turn and then its second turn after the first,
+    whose answer is the target's own: prepared on the tiny target, each two-turn request's history holds, token for
+    token, the answer the target gave its first-turn request (where the template lets it be located: `spans`)."""
+    from eaglelab.data.cache_entry import CaptureSettings
+    from eaglelab.data.prompts import load_source
+    from eaglelab.data.targets import load_target
+    from eaglelab.evaluate.suites import benchmark_prompts, prepare_suites
+
+    prompts = load_source("mt_bench")
+    assert len(prompts) == 160 and all(len(p) == 1 for p in prompts[::2])
+    for first, second in zip(prompts[::2], prompts[1::2]):
+        assert (
+            second[0] == first[0] and second[1] == {"role": "assistant", "content": ""} and second[2]["role"] == "user"
+        )
+    picked = benchmark_prompts("mt_bench", 3)  # whole questions, evenly spaced: 0, 40, 79
+    assert picked == [prompts[i] for q in (0, 40, 79) for i in (2 * q, 2 * q + 1)]
+
+    cfg = compose(["experiment=smoke", "+suite=benchmarks", "eval.suites.benchmarks.names=[mt_bench]",
+                   "eval.suites.benchmarks.num_prompts=3", "eval.suites.benchmarks.max_new_tokens=32"],
+                  cache_dir, tmp_path / "run")  # fmt: skip
+    target = load_target(cfg.target, cache_dir)
+    how = CaptureSettings(cache_dir=cache_dir, aux_layer_ids=[1, 2], system_prompt=None, max_length=256, batch_size=4)
+    feats = prepare_suites(cfg, target, [], how).benchmarks["mt_bench"]
+    ids = [list(map(int, x)) for x in feats["input_ids"]]
+    answers = [x[p:] for x, p in zip(ids, feats["prompt_len"])]
+    located = 0
+    for x, row in zip(ids, feats.rows):
+        for start, end in feats.tokens.spans(row):
+            assert any(a[: end - start] == x[start:end] for a in answers)  # a first-turn request's own answer
+            located += 1
+    assert len(ids) == 6 and located >= 1
+
+
+def test_the_summary_reads_each_benchmark_beside_what_its_recipe_publishes():
+    from eaglelab.results.summary import _benchmark_lines
+
+    metrics = {"benchmarks/prompts@humaneval": 164, "benchmarks/prompts@mt_bench": 160}
+    for name, sim, vllm in (("mt_bench", (1.2, 1.5, 1.6), (1.2, 1.49, 1.61)), ("humaneval", (1.3, 1.7, 1.8), ())):
+        metrics.update({f"benchmarks/simulated/acceptance_length@{name}@k{k}": t for k, t in zip((1, 3, 8), sim)})
+        metrics.update({f"benchmarks/vllm/acceptance_length@{name}@k{k}": t for k, t in zip((1, 3, 8), vllm)})
+    published = [{"benchmark": "mt_bench", "k": 3, "acceptance_length": 2.9, "source": "SpecBundle"}]
+    lines = _benchmark_lines(metrics, {"recipe": {"published": published}})
+    assert lines == [
+        "  MT-Bench (160 requests): τ@1/3/8 simulated 1.200/1.500/1.600, vLLM 1.200/1.490/1.610; published for this "
+        "target: τ@3 2.90 (SpecBundle)",
+        "  HumanEval (164 requests): τ@1/3/8 simulated 1.300/1.700/1.800",
+    ]

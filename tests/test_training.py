@@ -11,7 +11,7 @@ from test_drafter import small_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from eaglelab.core.config import TrainConfig
-from eaglelab.core.errors import TrainingError
+from eaglelab.core.errors import ConfigError, TrainingError
 from eaglelab.train.batches import Batch, collate
 from eaglelab.train.fit import make_trainer
 from eaglelab.train.ttt_module import DrafterModule
@@ -52,6 +52,22 @@ def hand_batch():
     return collate(items)
 
 
+def divergence(loss: str, log_y: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """Each distilled objective as the literature writes it, over two distributions y (target) and q (drafter), given
+    as log-probabilities (a drafter's tiny probabilities underflow)."""
+    kl = lambda a, b: (a.exp() * (a - b)).sum(-1)  # noqa: E731
+    log_m = torch.log((log_y.exp() + log_q.exp()) / 2)
+    accepted = torch.minimum(log_y, log_q).exp().sum(-1)  # α = Σ min(y, q)
+    return {
+        "kl": lambda: kl(log_y, log_q),
+        "rkl": lambda: kl(log_q, log_y),
+        "jsd": lambda: (kl(log_y, log_m) + kl(log_q, log_m)) / 2,
+        "tv": lambda: 1 - accepted,  # = ½ Σ|y - q|: 1 - the acceptance rate of sampled drafts
+        "nla": lambda: -accepted.log(),
+        "lk_hybrid": lambda: (lam := torch.exp(-3 * accepted).detach()) * kl(log_y, log_q) + (1 - lam) * (1 - accepted),
+    }[loss]()
+
+
 def expected_losses(module: DrafterModule, batch, steps: int) -> list[float]:
     """Per draft step j, by explicit loops: the mean over drafts an engine makes — from verified positions
     t = P-1 .. n-j-2 of each sequence (never from the prompt, never past its end) — of CE on the target's greedy
@@ -74,16 +90,19 @@ def expected_losses(module: DrafterModule, batch, steps: int) -> list[float]:
                         terms.append(-float(logp[draft_ids.index(label)]))
                 else:
                     teacher = (module.target_head.double() @ batch.final[b, t + j].double()).softmax(0)
-                    terms.append(float((teacher * (teacher.log() - logp)).sum()))
+                    terms.append(float(divergence(module.train_cfg.loss, teacher.log(), logp)))
         losses.append(sum(terms) / len(terms))
     return losses
 
 
-@pytest.mark.parametrize("loss", ["ce", "kl", "kl-recomputed"])
+@pytest.mark.parametrize(
+    "loss", ["ce", "kl", "kl-recomputed", "rkl", "jsd", "tv", "nla", "nla-recomputed", "lk_hybrid"]
+)
 def test_ttt_loss_equals_a_hand_computation(loss, monkeypatch):
     """kl: the teacher's log-probabilities kept once for every draft step (small); kl-recomputed: each step's from
-    the target's states, as where they are too large to keep (`draft_loss.keeps_teacher`)."""
-    if loss == "kl-recomputed":
+    the target's states, as where they are too large to keep (`draft_loss.keeps_teacher`). The other distilled
+    objectives against their textbook forms (`divergence`)."""
+    if loss.endswith("-recomputed"):
         monkeypatch.setattr("eaglelab.train.ttt_module.keeps_teacher", lambda positions, vocab: False)
     module, batch = loss_module(loss.split("-")[0], step_decay=0.5), hand_batch()
     with torch.no_grad():
@@ -94,6 +113,18 @@ def test_ttt_loss_equals_a_hand_computation(loss, monkeypatch):
     assert float(total) == pytest.approx(sum(0.5 ** (j - 1) * e for j, e in enumerate(expected, start=1)), rel=1e-5)
     # drafts per step: t = P-1 .. n-j-2 in each sequence, n-P-j of them
     assert counted == [(12 - 5 - j) + (9 - 3 - j) for j in range(1, 4)]
+
+
+def test_step_weights_replace_the_decay_and_a_wrong_count_is_one_line():
+    module, batch = loss_module("ce", step_decay=0.5), hand_batch()
+    module.train_cfg = TrainConfig(loss="ce", ttt_steps=3, step_weights=[0.0, 2.0, 1.0])
+    with torch.no_grad():
+        total, per_step, _, _ = module.ttt(batch, 3)
+    assert float(total) == pytest.approx(2 * float(per_step[1]) + float(per_step[2]), rel=1e-6)
+    with pytest.raises(ConfigError, match=r"train.step_weights must give each of the 3 TTT steps"):
+        TrainConfig(ttt_steps=3, step_weights=[1.0, 1.0])
+    with pytest.raises(ConfigError, match="not all 0"):
+        TrainConfig(ttt_steps=2, step_weights=[0.0, 0.0])
 
 
 def test_ttt_loss_ignores_prompt_and_padding_positions():
@@ -311,16 +342,16 @@ def test_deterministic_algorithms_on_a_cpu_not_on_cuda_unless_asked(monkeypatch,
     assert cfg.train.deterministic is True and compose([], tmp_path, tmp_path / "run").train.deterministic is None
 
 
-def plain_head_loss(hidden, weight, index=None, teacher_states=None, teacher_head=None):
+def plain_head_loss(hidden, weight, index=None, teacher_states=None, teacher_head=None, loss="kl"):
     """The expression `draft_head_loss` replaces, as autograd differentiates it: [N, V_d] log-probabilities kept."""
     logp = torch.nn.functional.log_softmax(torch.nn.functional.linear(hidden, weight).float(), dim=-1)
     if index is not None:
         return -(logp.gather(-1, index.clamp(min=0)[:, None])[:, 0] * (index >= 0)).sum(), logp.argmax(-1)
-    p = torch.softmax((teacher_states @ teacher_head.T).float(), dim=-1)
-    return (p * (torch.log(p.clamp_min(1e-20)) - logp)).sum(), logp.argmax(-1)
+    log_p = torch.log_softmax((teacher_states @ teacher_head.T).float(), dim=-1)
+    return divergence(loss, log_p, logp).sum(), logp.argmax(-1)
 
 
-@pytest.mark.parametrize("loss", ["ce", "kl", "kl-kept"])
+@pytest.mark.parametrize("loss", ["ce", "kl", "kl-kept", "rkl", "jsd", "tv", "nla", "lk_hybrid", "jsd-kept"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_chunked_head_loss_equals_the_plain_expression_forward_and_backward(loss, precision):
     """eaglelab.train.loss against the plain log-softmax over the draft vocabulary: the loss, the drafts (argmax)
@@ -337,11 +368,14 @@ def test_the_chunked_head_loss_equals_the_plain_expression_forward_and_backward(
     hidden.requires_grad_(), weight.requires_grad_()
     index = torch.randint(-1, V, (N,))  # (-1: a label outside the draft vocabulary, weight 0)
     states, head, where = torch.randn(N + 9, 12), torch.randn(V, 12), torch.randperm(N + 9)[:N]
+    name = loss.split("-")[0]
     reference = {"index": index} if loss == "ce" else {"teacher_states": states[where], "teacher_head": head}
-    kwargs = reference
-    if loss == "kl-kept":
+    kwargs = reference if loss == "ce" else {**reference, "divergence": name}
+    if loss.endswith("-kept"):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):  # (as the step computes them)
-            kwargs = {"teacher": teacher_log_probs(states, head), "teacher_rows": where}
+            kwargs = {"teacher": teacher_log_probs(states, head), "teacher_rows": where, "divergence": name}
+    if loss != "ce":
+        reference = {**reference, "loss": name}
     results = []
     for fn, kw in ((plain_head_loss, reference), (lambda *a, **k: draft_head_loss(*a, **k, rows=7), kwargs)):
         hidden.grad = weight.grad = None
@@ -351,8 +385,9 @@ def test_the_chunked_head_loss_equals_the_plain_expression_forward_and_backward(
         results.append((total.detach(), drafts, hidden.grad.clone(), weight.grad.clone()))
     (plain, plain_drafts, plain_h, plain_w), (chunked, drafts, grad_h, grad_w) = results
     for got, want in ((chunked, plain), (grad_h, plain_h), (grad_w, plain_w)):
-        if precision == "fp32":
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        if precision == "fp32":  # (reverse KL's ∂f/∂q is log q - log y, tens where the teacher is sure: each entry
+            # carries float32 rounding of that size, so the bound is relative to the largest entry)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * max(1.0, float(want.abs().max())))
         else:  # bf16 rounds the gradient before the loss's scale is applied here, after it in autograd: one bf16
             # step (2^-8 relative) of the largest term, not of each (small) entry
             torch.testing.assert_close(got, want, rtol=0, atol=2**-7 * float(want.abs().max()))
@@ -366,7 +401,7 @@ def test_the_chunked_head_loss_equals_the_plain_expression_forward_and_backward(
         total.backward()
     # Four rows: fewer than the chunks pay off for (`chunks_cost_more`), so the plain expression, the same numbers
     few = {k: v[:4] if k in ("index", "teacher_states", "teacher_rows") else v for k, v in kwargs.items()}
-    reference_few = {k: v[:4] if k != "teacher_head" else v for k, v in reference.items()}
+    reference_few = {k: v[:4] if k not in ("teacher_head", "loss") else v for k, v in reference.items()}
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
         got, want = (
             draft_head_loss(hidden[:4], weight, **few)[0],

@@ -258,6 +258,8 @@ def test_evaluate_a_checkpoint_on_its_own_over_two_ranks(evaluated_run, cache_di
             "eval.suites.long_context.num_prompts=2",
             "eval.suites.templates.num_prompts=4",
             "eval.suites.templates.conditions=[native,no_template]",
+            "eval.suites.benchmarks.num_prompts=1",
+            "eval.suites.benchmarks.max_new_tokens=32",
             "eval.vllm.repeats=2",
         ],
         cache_dir,
@@ -272,7 +274,11 @@ def test_evaluate_a_checkpoint_on_its_own_over_two_ranks(evaluated_run, cache_di
         assert after[f"acceptance_length@k{k}"] == before[f"acceptance_length@k{k}"]
     assert after[f"vllm/acceptance_length@k{K}"] == before[f"vllm/acceptance_length@k{K}"]
     assert json.loads((new_dir / "run.json").read_text())["variant"] == "eagle3.1"  # from the run evaluated
-    for suite, conditions in (("long_context", {"128", "384"}), ("templates", {"native", "no_template"})):
+    for suite, conditions in (
+        ("long_context", {"128", "384"}),
+        ("templates", {"native", "no_template"}),
+        ("benchmarks", {"mt_bench", "humaneval"}),  # (MT-Bench: one question, both turns; HumanEval: one prompt)
+    ):
         rows = read_csv(new_dir / "suites" / f"{suite}.csv")
         by = {(r["condition"], r["evaluator"]): r for r in rows}
         assert {c for c, _ in by} == conditions and {e for _, e in by} == {"simulated", "vllm"}
@@ -283,7 +289,8 @@ def test_evaluate_a_checkpoint_on_its_own_over_two_ranks(evaluated_run, cache_di
     parity = {(r["suite"], r["group"]): r for r in read_csv(new_dir / "parity.csv")}  # every group vLLM measured
     assert set(parity) == {("humaneval", ""), ("long_context", "128"), ("long_context", "384")} | {
         ("templates", c) for c in ("native", "no_template")
-    }
+    } | {("benchmarks", n) for n in ("mt_bench", "humaneval")}
+    assert after["benchmarks/prompts@mt_bench"] == 2 and f"benchmarks/vllm/acceptance_length@mt_bench@k{K}" in after
     exact = 0
     for row in parity.values():
         # Every group within NEAR_TIES. Measured on Zen 4: exact in every group but templates/no_template, where

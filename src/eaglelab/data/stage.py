@@ -86,7 +86,9 @@ def select_prompts(cfg: RunConfig, target: Target | None = None) -> Prompts:
         with_response=cfg.data.responses == "original",
         self_chat=self_chat,
     )
-    held_out = {json.dumps(p, sort_keys=True) for p in eval_prompts}
+    benchmarks = cfg.eval.suites.benchmarks
+    evaluated = [*eval_prompts, *(p for n in benchmarks.names if benchmarks.enabled for p in load_source(n))]
+    held_out = {json.dumps(question(p), sort_keys=True) for p in evaluated}
     kept = [i for i, p in enumerate(train_prompts) if json.dumps(question(p), sort_keys=True) not in held_out]
     if len(kept) < len(train_prompts):
         log.warning("dropped %d training prompts that are also evaluation prompts", len(train_prompts) - len(kept))
@@ -132,7 +134,9 @@ def prepare_data(
         out.train, train_stats = prepare_features(target, prompts.training_set, request, capture)
     if not evaluate:
         return out
-    request = SetRequest("eval", cfg.eval.max_new_tokens, source=cfg.eval.prompts, **held_out_entry(cfg))
+    # A multi-turn evaluation prompt (MT-Bench's second turns) is answered turn by turn: its history holds the
+    # target's own earlier answers, and its last answer is what is measured
+    request = SetRequest("eval", cfg.eval.max_new_tokens, source=cfg.eval.prompts, turns="all", **held_out_entry(cfg))
     out.held_out, eval_stats = prepare_features(target, prompts.held_out, request, capture)
     for stage in ("regenerate", "capture"):
         out.seconds[stage] = train_stats.seconds.get(stage, 0.0) + eval_stats.seconds[stage]
@@ -160,13 +164,13 @@ def training_entry(cfg: RunConfig) -> dict:
     needs none) and tails for validation τ up to k = 2·ttt_steps, each widened to what the runs sharing the data
     declare (data.keep_final, data.tail_for_ttt) so that one entry serves a sweep's every loss and TTT length."""
     ttt = max(cfg.train.ttt_steps, cfg.data.tail_for_ttt)
-    return {"with_final": cfg.train.loss == "kl" or cfg.data.keep_final, "tail_tokens": tail_tokens(2 * ttt)}
+    return {"with_final": cfg.train.distills or cfg.data.keep_final, "tail_tokens": tail_tokens(2 * ttt)}
 
 
 def online_final(cfg: RunConfig) -> bool:
     """Whether states computed in training (online, hybrid features) include the target's final state: KL's teacher,
     or what a hybrid run publishes into an entry that keeps it (data.keep_final)."""
-    return cfg.train.loss == "kl" or (cfg.features.kind == "hybrid" and cfg.data.keep_final)
+    return cfg.train.distills or (cfg.features.kind == "hybrid" and cfg.data.keep_final)
 
 
 def held_out_entry(cfg: RunConfig) -> dict:

@@ -3,6 +3,7 @@ served by vLLM next to its target (acceptance per k, decode speedup, parity with
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -58,6 +59,9 @@ def evaluate_simulated(
     loader = DataLoader(data, batch_size=batch_size, collate_fn=collate)
     device = drafter.d2t.device
     for batch in tqdm(loader, desc="evaluate (simulated)", leave=False):
+        # A multi-turn request is measured on its last answer, the one an engine generates for it: its earlier answers
+        # (`spans`, which training drafts inside) are its history here, measured as requests of their own
+        batch = dataclasses.replace(batch, spans=None)
         for k, counts in acceptance_counts(
             drafter, move(batch, device), max_k, depth=depth, per_sequence=per_sequence
         ).items():

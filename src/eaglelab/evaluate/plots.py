@@ -344,6 +344,33 @@ def plot_extrapolation(run_dir: Path, suite_dir: Path, title: str) -> Path:
     return save_figure(fig, suite_dir / "extrapolation.png")
 
 
+def plot_benchmarks(suite_dir: Path, title: str, published: list | None = None) -> Path:
+    """benchmarks.png: τ against k on each benchmark, one panel each: the simulated evaluator (line) and vLLM
+    (squares) over the same requests, and the published figures the run's recipe names for that benchmark (stars)."""
+    rows = _read(suite_dir / "benchmarks.csv")
+    names = list(dict.fromkeys(r["condition"] for r in rows))
+    fig, axes = plt.subplots(
+        1, len(names), figsize=(4.2 * len(names), 3.4), constrained_layout=True, squeeze=False, sharey=True
+    )
+    for ax, name in zip(axes[0], names):
+        for evaluator, style, color in (("simulated", "o-", PALETTE[0]), ("vllm", "s", PALETTE[1])):
+            sel = sorted((int(r["k"]), float(r["acceptance_length"])) for r in rows
+                         if r["condition"] == name and r["evaluator"] == evaluator)  # fmt: skip
+            if sel:
+                ax.plot(*zip(*sel), style, color=color, label=evaluator, ms=6 if evaluator == "vllm" else 4)
+        refs = [r for r in published or [] if r.benchmark == name]
+        for source, color in zip(dict.fromkeys(r.source for r in refs), PALETTE[2:] * 4):  # a colour per source
+            mine = sorted((r.k, r.acceptance_length) for r in refs if r.source == source)
+            ax.plot(*zip(*mine), "*", ms=10, color=color, label=f"published: {source}"[:60])
+        prompts = next(r["prompts"] for r in rows if r["condition"] == name)
+        ax.set(xlabel="draft tokens per round k", ylabel="acceptance length τ", title=f"{name} ({prompts} requests)")
+        ax.set_ylim(bottom=1.0)
+        ax.grid(alpha=0.3)
+        ax.legend(frameon=False, fontsize=7)
+    fig.suptitle(f"{title} — τ per benchmark", fontsize=10)
+    return save_figure(fig, suite_dir / "benchmarks.png")
+
+
 def template_bars(ax, conditions: list[str], series: list[tuple[str, dict[str, dict]]]) -> None:
     """Grouped bars of τ per template condition, one bar per series (label, {condition: table row}),
     each labelled with its ratio to native."""

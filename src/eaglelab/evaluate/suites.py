@@ -4,6 +4,7 @@
     extrapolation  τ and per-position acceptance past the trained depth, k = 1..max(8, 2·ttt+2)
     long_context   τ on prompts of 0.5k..8k tokens (standard-library source, a request at the end)
     templates      τ under each prompt condition (eaglelab.data.templates), and its ratio to native
+    benchmarks     τ per benchmark the field reports (MT-Bench, HumanEval), at the held-out set's depths
     drift          attention-drift diagnostics per draft depth (eaglelab.evaluate.drift)
 
 Suite prompts are prepared with the training data (the target regenerates under each condition; the
@@ -27,6 +28,7 @@ from eaglelab.core.ranks import current as current_ranks
 from eaglelab.data.cache_entry import CaptureSettings, SetRequest
 from eaglelab.data.long_context import MODULES, long_context_prompts
 from eaglelab.data.prepare_set import prepare_features
+from eaglelab.data.prompts import load_source
 from eaglelab.data.templates import CONDITIONS, renderer
 from eaglelab.engine.jobs import EvaluateJob
 from eaglelab.evaluate.drift import drift_diagnostics, drift_inputs
@@ -43,7 +45,13 @@ from eaglelab.evaluate.held_out import (
     same_output_share,
     throughput_rows,
 )
-from eaglelab.evaluate.plots import plot_drift, plot_extrapolation, plot_long_context_speed, plot_suite
+from eaglelab.evaluate.plots import (
+    plot_benchmarks,
+    plot_drift,
+    plot_extrapolation,
+    plot_long_context_speed,
+    plot_suite,
+)
 from eaglelab.export.eagle3 import FORMAT_DIRS
 from eaglelab.models.acceptance import tail_tokens
 
@@ -56,6 +64,7 @@ class SuiteInputs:
 
     long_context: dict[int, object] = field(default_factory=dict)  # nominal length -> features
     templates: dict[str, object] = field(default_factory=dict)  # condition -> features
+    benchmarks: dict[str, object] = field(default_factory=dict)  # benchmark name -> features
     same_as: dict[str, str] = field(default_factory=dict)  # condition -> condition it renders identically
     seconds: float = 0.0
 
@@ -122,6 +131,13 @@ def prepare_suites(cfg: RunConfig, target, eval_prompts: list, capture: CaptureS
             rendered[condition] = ids
             request = SetRequest(f"templates-{condition}", tp.max_new_tokens, render=render, tail_tokens=tail)
             todo.append(("templates", condition, prompts, request, replace(capture, max_length=target.max_context)))
+    if s.benchmarks.enabled:
+        bm = s.benchmarks
+        for name in bm.names:
+            # a multi-turn request (MT-Bench's second turns) answered turn by turn: its history the target's own
+            request = SetRequest(f"benchmarks-{name}", bm.max_new_tokens, source=name, turns="all", tail_tokens=tail)
+            how = replace(capture, max_length=target.max_context)
+            todo.append(("benchmarks", name, benchmark_prompts(name, bm.num_prompts), request, how))
     ranks = current_ranks()
     first = ranks.rank % len(todo) if todo else 0
     for suite, condition, prompts, request, how in todo[first:] + todo[:first]:
@@ -130,7 +146,18 @@ def prepare_suites(cfg: RunConfig, target, eval_prompts: list, capture: CaptureS
         out.seconds += sum(stats.seconds.values())
     out.long_context = dict(sorted(out.long_context.items()))  # (each suite's conditions in their own order again)
     out.templates = {c: out.templates[c] for c in rendered} if s.templates.enabled else {}
+    out.benchmarks = {n: out.benchmarks[n] for n in s.benchmarks.names} if s.benchmarks.enabled else {}
     return out
+
+
+def benchmark_prompts(name: str, count: int | None) -> list:
+    """A benchmark's requests, or `count` of them evenly spaced: MT-Bench's are questions, both turns each."""
+    prompts = load_source(name)
+    if count is None:
+        return prompts
+    if name == "mt_bench":  # (first and second turns alternate)
+        return [prompts[2 * q + turn] for q in evenly_spaced(len(prompts) // 2, count) for turn in (0, 1)]
+    return [prompts[i] for i in evenly_spaced(len(prompts), count)]
 
 
 def _rows(
@@ -139,7 +166,7 @@ def _rows(
     """τ per condition: simulated for every k <= max(suite ks), vLLM at the suite ks when measured (`along`: the
     simulator along vLLM's outputs per (group, k), eaglelab.evaluate.held_out.along_vllm). -> (the suite's table, its
     parity rows, its per-prompt rows: what paired comparisons of two drafters resample, one `suite` per condition)."""
-    ks = suite_ks(cfg)
+    ks = suite_ks(cfg, suite)
     rows, parity, per_prompt = [], [], ([], [])
     for condition, feats in groups.items():
         tokens = sum(feats["prompt_len"]) / len(feats)
@@ -172,12 +199,19 @@ def _rows(
     return rows, parity, per_prompt
 
 
-def _vllm_groups(inputs: SuiteInputs) -> dict:
-    """The suites' prompt sets for one engine, each with its sequences' own budgets."""
+def _vllm_sets(inputs: SuiteInputs) -> dict:
+    """Every suite condition's features, by the group name its vLLM rows carry (`suite/condition`)."""
     sets = {f"long_context/{n}": f for n, f in inputs.long_context.items()}
     sets.update({f"templates/{c}": f for c, f in inputs.templates.items()})
+    sets.update({f"benchmarks/{n}": f for n, f in inputs.benchmarks.items()})
+    return sets
+
+
+def _vllm_groups(inputs: SuiteInputs) -> dict:
+    """The suites' prompt sets for one engine, each with its sequences' own budgets."""
     return {
-        name: {"prompts": prompt_ids(f), "max_tokens": [int(b) for b in f["max_tokens"]]} for name, f in sets.items()
+        name: {"prompts": prompt_ids(f), "max_tokens": [int(b) for b in f["max_tokens"]]}
+        for name, f in _vllm_sets(inputs).items()
     }
 
 
@@ -188,7 +222,7 @@ def long_context_speed_job(cfg: RunConfig, inputs: SuiteInputs) -> dict:
     if not (inputs.long_context and lc.concurrencies):
         return {}
     return {
-        "throughput_ks": suite_ks(cfg),  # (the depths vLLM measures the suites at)
+        "throughput_ks": suite_ks(cfg, "long_context"),  # (the depths vLLM measures the suite at)
         "concurrencies": lc.concurrencies,
         "timed_groups": {
             str(n): {"prompts": prompt_ids(f), "max_tokens": [int(b) for b in f["max_tokens"]]}
@@ -222,16 +256,16 @@ def long_context_speed(cfg: RunConfig, out_dir: Path, passes: list[dict]) -> dic
 
 
 def suites_job(cfg: RunConfig, drafter, inputs: SuiteInputs, run_dir: Path, serving: Serving) -> EvaluateJob | None:
-    """The long-context and template prompt sets' engine job (None without either): τ at the suite depths per
+    """The long-context, template and benchmark prompt sets' engine job (None without any): τ at the suite depths per
     condition, the capture along vLLM's outputs, and each long-context length served with and without the drafter."""
-    if not (inputs.long_context or inputs.templates):
+    if not (inputs.long_context or inputs.templates or inputs.benchmarks):
         return None
     v = cfg.eval.vllm
     return EvaluateJob(
         target=str(serving.path),
         drafter=str(run_dir / FORMAT_DIRS[v.drafter_format]),  # the export vLLM serves
         groups=_vllm_groups(inputs),
-        stop_token_ids=next(iter({**inputs.long_context, **inputs.templates}.values())).stop_token_ids,
+        stop_token_ids=next(iter(_vllm_sets(inputs).values())).stop_token_ids,
         ks=suite_ks(cfg),
         temperatures=[0.0],
         dtype=cfg.target.dtype,
@@ -296,7 +330,7 @@ def evaluate_suites(
         if rows:
             plot_extrapolation(run_dir, out_dir, cfg.label)
 
-    if not (inputs.long_context or inputs.templates):
+    if not (inputs.long_context or inputs.templates or inputs.benchmarks):
         return metrics
     vllm_rows, along = {}, {}
     if engine is not None:
@@ -305,7 +339,11 @@ def evaluate_suites(
         if engine["throughput"]:
             metrics.update(long_context_speed(cfg, out_dir, engine["throughput"]))
     per_prompt, per_prompt_depth = [], []  # every suite's, one `suite` per condition (analysis/paired.py)
-    for suite, groups in (("long_context", inputs.long_context), ("templates", inputs.templates)):
+    for suite, groups in (
+        ("long_context", inputs.long_context),
+        ("templates", inputs.templates),
+        ("benchmarks", inputs.benchmarks),
+    ):
         if not groups:
             continue
         rows, suite_parity, (prompts, depths) = _rows(
@@ -325,13 +363,18 @@ def evaluate_suites(
             native = {(r["evaluator"], r["k"]): r["acceptance_length"] for r in rows if r["condition"] == "native"}
             for r in rows:
                 r["ratio_to_native"] = r["acceptance_length"] / native[(r["evaluator"], r["k"])]
+        if suite == "benchmarks":  # (the summary says over how many requests)
+            metrics.update({f"benchmarks/prompts@{name}": len(f) for name, f in groups.items()})
         write_csv(out_dir / f"{suite}.csv", rows)
         for r in rows:  # the evaluator is part of the key: the two are never mixed silently
             at = f"{r['condition']}@k{r['k']}"
             metrics[f"{suite}/{r['evaluator']}/acceptance_length@{at}"] = r["acceptance_length"]
             if "ratio_to_native" in r:
                 metrics[f"{suite}/{r['evaluator']}/ratio_to_native@{at}"] = r["ratio_to_native"]
-        plot_suite(out_dir, suite, cfg.label)
+        if suite == "benchmarks":
+            plot_benchmarks(out_dir, cfg.label, cfg.recipe.published)
+        else:
+            plot_suite(out_dir, suite, cfg.label)
     write_csv(out_dir / "per_prompt.csv", per_prompt)
     write_csv(out_dir / "per_prompt_depth.csv", per_prompt_depth)
     if vllm_rows:

@@ -122,7 +122,11 @@ class TargetShape:
 
     @classmethod
     def of(cls, target: Target) -> TargetShape:
-        c = target.config
+        return cls.of_config(target.config, dtype_bytes=target.dtype.itemsize, max_context=target.max_context)
+
+    @classmethod
+    def of_config(cls, c, *, dtype_bytes: int, max_context: int) -> TargetShape:
+        """From a Hugging Face config (a target's, or one a recipe writes in: eaglelab.plan.cluster)."""
         heads = c.num_attention_heads
         return cls(
             layers=c.num_hidden_layers,
@@ -132,8 +136,8 @@ class TargetShape:
             head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
             intermediate=c.intermediate_size,
             vocab=c.vocab_size,
-            dtype_bytes=target.dtype.itemsize,
-            max_context=target.max_context,
+            dtype_bytes=dtype_bytes,
+            max_context=max_context,
         )
 
 
@@ -274,18 +278,23 @@ def data_plan(cfg: RunConfig, d: Eagle3Config, train: PromptSet) -> DataPlan:
     states = state_bytes(len(d.aux_layer_ids), d.target_hidden_size, with_final) if on_disk else 0
     mean = train.tokens_bound / max(train.sequences, 1)
     step = cfg.train.tokens_per_batch or int(cfg.train.batch_size * mean)
-    fc = len(d.aux_layer_ids) * d.target_hidden_size * (d.hidden_size + 1)
-    per_step = _trainable_parameters(d) - fc - d.hidden_size  # the decoder layer(s) and the LM head: every TTT step
-    flops = 6 * (fc + cfg.train.ttt_steps * per_step)  # (fc once: step 1's input; attention's FLOPs left out)
     return DataPlan(
         sequences=train.sequences,
         tokens=train.tokens_bound,
         bytes_per_token=4 + states,
         epoch_read=int(train.tokens_bound * train.trained_on / max(train.sequences, 1)) * (4 + states),
         step_tokens=step,
-        flops_per_token=float(flops),
+        flops_per_token=drafter_flops_per_token(cfg, d),
         on_gpu=on_cuda(cfg.train.accelerator),
     )
+
+
+def drafter_flops_per_token(cfg: RunConfig, d: Eagle3Config) -> float:
+    """The drafter's dense FLOPs per trained token, forward and backward (6 × parameters), over its TTT steps: fc
+    once (step 1's input), the decoder layer(s) and the LM head at every step; attention's FLOPs left out."""
+    fc = len(d.aux_layer_ids) * d.target_hidden_size * (d.hidden_size + 1)
+    per_step = _trainable_parameters(d) - fc - d.hidden_size
+    return float(6 * (fc + cfg.train.ttt_steps * per_step))
 
 
 @dataclass(frozen=True)
@@ -548,12 +557,12 @@ def train_bytes(
     p = parameter_bytes(train.precision)
     trainable = _trainable_parameters(d)
     embed = p if p != 4 else t.dtype_bytes  # the target's dtype, unless a "-true" precision converts the module
-    teacher = d.draft_vocab_size * d.target_hidden_size * 4 if train.loss == "kl" else 0  # KL's head rows
+    teacher = d.draft_vocab_size * d.target_hidden_size * 4 if train.distills else 0  # the teacher's head rows
     drafter = trainable * p + d.vocab_size * d.hidden_size * embed + teacher
     optimizer = trainable * p * 4 + (trainable * lowp if lowp < p else 0)  # + autocast's 16-bit weight copies
     B, T, S, response = batch_rows(train, data), data.sequence, train.ttt_steps, data.response
 
-    kl = train.loss == "kl"
+    kl = train.distills
     final = online_final(cfg)  # KL's teacher, or the final state a hybrid run publishes
     inputs = B * T * (len(d.aux_layer_ids) + final) * d.target_hidden_size * 6  # the stored 16 bits, then float32
     rows = B * response  # labelled positions: the responses'

@@ -112,6 +112,32 @@ def _tau_line(metrics: dict, k: int, in_vllm: bool) -> str:
     return f"vLLM {vllm:.3f}, simulated {same:.3f} over the same {_prompts(metrics.get('vllm/prompts'))}; {everyone}"
 
 
+BENCHMARK_NAMES = {"mt_bench": "MT-Bench", "humaneval": "HumanEval"}
+
+
+def _benchmark_lines(metrics: dict, config: dict) -> list[str]:
+    """τ per benchmark (the benchmarks suite) at each depth measured, the simulated evaluator beside vLLM on the same
+    requests, and the published figures of the run's recipe for that benchmark."""
+    lines = []
+    published = ((config.get("recipe") or {}).get("published")) or []
+    order = list(BENCHMARK_NAMES)
+    keys = [k for k in metrics if k.startswith("benchmarks/prompts@")]
+    for key in sorted(keys, key=lambda k: order.index(k.split("@", 1)[1]) if k.split("@", 1)[1] in order else 99):
+        name = key.split("@", 1)[1]
+        tau = {}
+        for evaluator in ("simulated", "vllm"):
+            prefix = f"benchmarks/{evaluator}/acceptance_length@{name}@k"
+            tau[evaluator] = {int(k[len(prefix) :]): v for k, v in metrics.items() if k.startswith(prefix)}
+        ks = sorted(tau["simulated"])
+        line = f"  {BENCHMARK_NAMES.get(name, name)} ({int(metrics[key])} requests): τ@{'/'.join(map(str, ks))}"
+        line += " simulated " + "/".join(f"{tau['simulated'][k]:.3f}" for k in ks)
+        if tau["vllm"]:
+            line += ", vLLM " + "/".join(f"{tau['vllm'][k]:.3f}" if k in tau["vllm"] else "-" for k in ks)
+        refs = [f"τ@{r['k']} {r['acceptance_length']:.2f} ({r['source']})" for r in published if r["benchmark"] == name]
+        lines.append(line + (f"; published for this target: {'; '.join(refs)}" if refs else ""))
+    return lines
+
+
 def run_summary(run_dir: Path) -> list[str]:
     """The lines that end a run: what it measured, where its figures are. A summary is never worth a finished run:
     results it cannot read (an older layout, a file edited by hand) make it one line saying so."""
@@ -142,6 +168,7 @@ def _run_summary(run_dir: Path) -> list[str]:
     if not in_vllm:
         lines.append(f"  vLLM: not run ({record.get('vllm_skipped') or 'eval.vllm.enabled=false, or not installed'})")
 
+    lines += _benchmark_lines(metrics, config)
     served = _speedups(metrics)
     if served:
         for k, c, s, low, high in served:

@@ -67,7 +67,7 @@ def train_drafter(
     if not on_cuda(cfg.train.accelerator):  # a step's freed temporaries kept for the next (CUDA's allocator does it)
         keep_freed_memory()
     train_idx, val_idx = held_out_split(features)
-    with_final = cfg.train.loss == "kl"
+    with_final = cfg.train.distills
     streamed = cfg.features.kind == "stream"  # (the states come from a stream: eaglelab.train.stream_plan)
     train_set = FeatureDataset(features, train_idx, with_final)
     val_set = FeatureDataset(features, val_idx, with_final, with_tail=True) if val_idx else None  # exact val τ
@@ -147,7 +147,7 @@ def drafter_module(
     head = init_from_target(
         module, target, draft_ids, cfg.drafter.init_lm_head_from_target, cfg.drafter.init_layers_from_target
     )
-    module.target_head = head if cfg.train.loss == "kl" else None  # only KL reads the teacher's head
+    module.target_head = head if cfg.train.distills else None  # only a distilled loss reads the teacher's head
     if features.states is None and online is None and cfg.features.kind != "stream":
         raise EaglelabError("these sequences have no cached states and no target was given to compute them")
     module.online = online
@@ -314,7 +314,7 @@ def batch_bytes(features, cfg: RunConfig, d: Eagle3Config, indices: list[int]) -
     online, the stored states (bf16: the aux layers', the final state for KL). A hybrid run's first epoch holds less,
     but its workers live on into the epochs that read the states."""
     train = cfg.train
-    states = len(d.aux_layer_ids) + (train.loss == "kl")
+    states = len(d.aux_layer_ids) + train.distills
     per_token = 8 + 8 + (0 if cfg.features.kind == "online" else states * d.target_hidden_size * 2)
     if train.tokens_per_batch:
         return train.tokens_per_batch * per_token

@@ -20,12 +20,24 @@ gradients, chunks always. The numbers are those of the plain expression: logits 
 float32, gradients cast back to the logits' dtype before their matmuls, as autograd does (tests/test_training.py
 compares both, forward and backward).
 
+The other objectives of the field (`train.loss`: reverse KL, Jensen-Shannon, total variation, negative
+log-acceptance) read the same teacher y and have no such short form, but each is a sum over rows of a function f of
+the row's distribution q, so its gradient through the softmax is still closed:
+
+    ∂f/∂z_v = q_v · ( ∂f/∂q_v - Σ_u q_u ∂f/∂q_u )
+
+`row_divergence` writes each f once (autograd differentiates it in the plain expression) and `_dloss_dz` its
+gradient, which the chunks use; tests/test_training.py holds the two against each other.
+
 KL's teacher is the same at every draft step, one position later: where its log-probabilities over a batch are small
 (`keeps_teacher`) they are computed once (`teacher_log_probs`) and each step reads its rows from them; otherwise each
 chunk computes its rows' teacher logits again from the target's states (memory bounded by the model, not the head).
 """
 
 from __future__ import annotations
+
+import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +50,17 @@ CHUNK_ELEMENTS, MAX_CHUNK_ELEMENTS = 1 << 22, 1 << 24
 # The KL teacher's float32 log-probabilities over a batch are kept (not recomputed at every draft step) up to this
 # size: at SmolLM2's 8k draft vocabulary 8,192 positions, at an 8B drafter's 32k 2,048.
 KEEP_TEACHER_BYTES = 1 << 28
+
+
+# The objectives that distill the target's next-token distribution y (all but CE, which reads its greedy token):
+#   kl   forward KL(y ‖ q)                      the mode-covering default of EAGLE's KL recipes
+#   rkl  reverse KL(q ‖ y)                      mode-seeking: q's mass where y has it
+#   jsd  Jensen-Shannon, ½KL(y ‖ m) + ½KL(q ‖ m), m = (y + q)/2
+#   tv   total variation ½Σ|y - q| = 1 - α      α = Σ min(y, q), the chance a sampled draft is accepted
+#   nla  -log α                                 the acceptance itself, in log space
+#   lk_hybrid  λ·KL + (1 - λ)·TV, λ = exp(-3α) held constant: KL where q and y barely overlap (TV's gradient
+#        vanishes there), TV as they come to agree (speculators' lk_hybrid)
+DIVERGENCES = ("kl", "rkl", "jsd", "tv", "nla", "lk_hybrid")
 
 
 def chunk_rows(draft_vocab_size: int, hidden_size: int) -> int:
@@ -58,12 +81,13 @@ def teacher_log_probs(states: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
 
 class _DraftHeadLoss(torch.autograd.Function):
     """(hidden [N, H], weight [V_d, H], index [N] | None, teacher_states [N, H_t] | None, teacher_head [V_d, H_t] |
-    None, kept [M, V_d] | None, kept_rows [N] | None, rows, with_grad) -> (loss summed over rows [], argmax of the
-    logits [N]). `index`: CE's draft-vocabulary index of each row's label (-1: outside the vocabulary, weight 0);
-    else KL from softmax(teacher_states · teacher_headᵀ), or from the kept log-probabilities' rows `kept_rows`."""
+    None, kept [M, V_d] | None, kept_rows [N] | None, rows, with_grad, divergence) -> (loss summed over rows [],
+    argmax of the logits [N]). `index`: CE's draft-vocabulary index of each row's label (-1: outside the vocabulary,
+    weight 0); else `divergence` from softmax(teacher_states · teacher_headᵀ), or from the kept log-probabilities'
+    rows `kept_rows`."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, index, teacher_states, teacher_head, kept, kept_rows, rows, with_grad):
+    def forward(ctx, hidden, weight, index, teacher_states, teacher_head, kept, kept_rows, rows, with_grad, divergence):
         need_hidden, need_weight = with_grad and ctx.needs_input_grad[0], with_grad and ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = product = None  # float32 [V_d, H], and the buffer each chunk's share is made in
@@ -82,7 +106,8 @@ class _DraftHeadLoss(torch.autograd.Function):
                     if kept is not None
                     else teacher_log_probs(teacher_states[part], teacher_head)
                 )
-                summed, g = _kl_rows(logits, log_y, drafts[part], need_hidden or need_weight)
+                rows_of = _kl_rows if divergence == "kl" else partial(_divergence_rows, divergence)
+                summed, g = rows_of(logits, log_y, drafts[part], need_hidden or need_weight)
             total += summed
             if g is None:
                 continue
@@ -111,7 +136,7 @@ class _DraftHeadLoss(torch.autograd.Function):
         return (
             grad_hidden.mul_(grad_total.to(grad_hidden.dtype)) if grad_hidden is not None else None,
             grad_weight.mul_(grad_total).to(ctx.weight_dtype) if grad_weight is not None else None,
-            None, None, None, None, None, None, None,
+            None, None, None, None, None, None, None, None,
         )  # fmt: skip
 
 
@@ -154,6 +179,82 @@ def _kl_rows(logits, log_y, drafts, gradient):
     return summed, z.mul_(s.reciprocal()).sub_(y)  # q - y
 
 
+def row_divergence(divergence: str, log_q: torch.Tensor, log_y: torch.Tensor) -> torch.Tensor:
+    """Each row's objective f(q; y) [n] from the drafter's and the teacher's log-probabilities [n, V_d] float32: the
+    definition, which autograd differentiates in the plain expression and `_dloss_dz` in the chunks."""
+    with torch.autocast(log_q.device.type, enabled=False):  # (autocast would take the row dots to 16 bits)
+        return _row_divergence(divergence, log_q, log_y)
+
+
+def _row_divergence(divergence, log_q, log_y):
+    q, y = log_q.exp(), log_y.exp()
+    if divergence == "kl":
+        return torch.linalg.vecdot(y, log_y - log_q)
+    if divergence == "rkl":
+        return torch.linalg.vecdot(q, log_q - log_y)
+    if divergence == "jsd":
+        log_m = torch.logaddexp(log_q, log_y) - math.log(2.0)
+        return 0.5 * (torch.linalg.vecdot(y, log_y - log_m) + torch.linalg.vecdot(q, log_q - log_m))
+    if divergence == "tv":
+        return 0.5 * (q - y).abs().sum(-1)
+    if divergence == "nla":
+        return -_acceptance(q, y).log()
+    if divergence == "lk_hybrid":
+        lam = _hybrid_weight(q, y)
+        return lam * torch.linalg.vecdot(y, log_y - log_q) + (1 - lam) * 0.5 * (q - y).abs().sum(-1)
+    raise ValueError(f"unknown divergence {divergence!r}: one of {DIVERGENCES}")
+
+
+def _acceptance(q, y):
+    """α = Σ_v min(q_v, y_v) [n]: the chance that a draft sampled from q is accepted against y (kept above 0, where
+    two float32 distributions share no mass, so that -log α stays finite)."""
+    return torch.minimum(q, y).sum(-1).clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def _dloss_dz(divergence, log_q, log_y):
+    """∂f/∂z [n, V_d] of `row_divergence`'s f through the softmax: q·(∂f/∂q - Σ_u q_u ∂f/∂q_u), ∂f/∂q taken up to a
+    constant per row (which that difference cancels)."""
+    q, y = log_q.exp(), log_y.exp()
+    if divergence == "rkl":  # f = Σ q (log q - log y): ∂f/∂q = log q - log y + 1
+        return _through_softmax(q, log_q - log_y)
+    if divergence == "jsd":  # the y/m and q/m terms of ∂f/∂q add up to 1: ½ (log q - log m)
+        return _through_softmax(q, 0.5 * (log_q - (torch.logaddexp(log_q, log_y) - math.log(2.0))))
+    if divergence == "tv":
+        return _through_softmax(q, 0.5 * torch.sign(q - y))
+    if divergence == "nla":  # f = -log Σ min(q, y): only the entries where q is the smaller count
+        return _through_softmax(q, -(q < y).to(q.dtype) / _acceptance(q, y)[:, None])
+    if divergence == "lk_hybrid":  # λ held constant (detached): λ·(q - y), KL's, plus (1 - λ) TV's
+        lam = _hybrid_weight(q, y)[:, None]
+        return (q - y).mul_(lam).add_(_through_softmax(q, 0.5 * torch.sign(q - y)).mul_(1 - lam))
+    raise ValueError(f"no chunked gradient for {divergence!r}")
+
+
+def _through_softmax(q, d):
+    """q·(d - Σ_u q_u d_u) [n, V_d]: a gradient d with respect to q taken to the logits."""
+    return d.sub_(torch.linalg.vecdot(q, d)[:, None]).mul_(q)
+
+
+def _hybrid_weight(q, y):
+    """speculators' λ = exp(-3α) of lk_hybrid, a constant of the gradient: KL's where q and y barely overlap (where
+    TV's gradient vanishes), TV's as they come to agree."""
+    return torch.exp(-3.0 * _acceptance(q, y)).detach()
+
+
+def _divergence_rows(divergence, logits, log_y, drafts, gradient):
+    """`divergence` over some rows -> (Σ_r f_r [], ∂loss/∂z [n, V_d] float32, or None without `gradient`). Writes
+    each row's draft into `drafts` [n]."""
+    z = logits.float()  # [n, V_d]
+    m, top = z.max(-1, keepdim=True)  # (the first of equal maxima, as argmax)
+    drafts.copy_(top[:, 0])
+    z -= m
+    log_q = z.sub_(torch.logsumexp(z, -1, keepdim=True))  # in place: log q
+    summed = row_divergence(divergence, log_q, log_y).sum()
+    if not gradient:
+        return summed, None
+    with torch.autocast(z.device.type, enabled=False):  # (autocast would take the row dots to 16 bits)
+        return summed, _dloss_dz(divergence, log_q, log_y)
+
+
 def draft_head_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -164,12 +265,14 @@ def draft_head_loss(
     teacher: torch.Tensor | None = None,
     teacher_rows: torch.Tensor | None = None,
     rows: int | None = None,
+    divergence: str = "kl",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One draft step's summed loss over its labelled rows and each row's draft (argmax, a draft-vocabulary index).
     hidden: [N, H] the rows' norm(o); weight: [V_d, H] lm_head's. CE: `index` [N], the label's draft-vocabulary
     index (-1 outside it). KL: `teacher_states` [N, H_t] (the target's post-norm state one token later) and
     `teacher_head` [V_d, H_t]; or `teacher` [M, V_d], the teacher's log-probabilities kept (`teacher_log_probs`), and
-    `teacher_rows` [N], each row's in them. `rows`: rows per chunk (default: `chunk_rows`)."""
+    `teacher_rows` [N], each row's in them; `divergence` (one of DIVERGENCES) says which objective reads that teacher.
+    `rows`: rows per chunk (default: `chunk_rows`)."""
     if sum(x is not None for x in (index, teacher_states, teacher)) != 1 or (teacher is None) != (teacher_rows is None):
         raise ValueError("draft_head_loss takes index (CE), or teacher_states and teacher_head, or teacher and "
                          "teacher_rows (KL)")  # fmt: skip
@@ -180,9 +283,10 @@ def draft_head_loss(
             teacher = teacher.index_select(0, teacher_rows)
         elif teacher_states is not None:
             teacher = teacher_log_probs(teacher_states, teacher_head)
-        return _plain(hidden, weight, index, teacher)
+        return _plain(hidden, weight, index, teacher, divergence)
+    rows = rows or chunk_rows(V, H)
     return _DraftHeadLoss.apply(
-        hidden, weight, index, teacher_states, teacher_head, teacher, teacher_rows, rows or chunk_rows(V, H), with_grad
+        hidden, weight, index, teacher_states, teacher_head, teacher, teacher_rows, rows, with_grad, divergence
     )
 
 
@@ -194,12 +298,12 @@ def chunks_cost_more(rows: int, draft_vocab_size: int, hidden_size: int, kl: boo
     return rows * draft_vocab_size * (2 if kl else 1) <= (rows + draft_vocab_size) * hidden_size
 
 
-def _plain(hidden, weight, index, teacher) -> tuple[torch.Tensor, torch.Tensor]:
+def _plain(hidden, weight, index, teacher, divergence) -> tuple[torch.Tensor, torch.Tensor]:
     """The loss as autograd differentiates it (what the chunks compute, held whole): log q [N, V_d] float32 kept.
-    teacher: KL's log-probabilities [N, V_d] float32 (CE: None)."""
+    teacher: the distilled objectives' log-probabilities [N, V_d] float32 (CE: None)."""
     logq = F.log_softmax(F.linear(hidden, weight).float(), dim=-1)
     if index is not None:
         total = -(logq.gather(-1, index.clamp(min=0)[:, None])[:, 0] * (index >= 0)).sum()
     else:
-        total = (teacher.exp() * (teacher - logq)).sum()
+        total = row_divergence(divergence, logq, teacher).sum()
     return total, logq.argmax(-1).detach()

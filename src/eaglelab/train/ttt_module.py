@@ -4,8 +4,9 @@ Per batch the drafter unrolls `ttt_steps` draft steps exactly as it drafts at in
 `Eagle3Drafter.unroll`). Step j (1-based) at position t predicts x_{t+j+1}; its label is the target's
 greedy token after position t+j. Only drafts an engine would make count: from verified positions
 t >= P-1 (the prompt's last token onwards), so every label is an assistant token. The loss is
-sum_j step_decay**(j-1) * loss_j, with loss_j cross-entropy on that token or forward KL from the
-target's distribution (restricted to the draft vocab) to the drafter's.
+sum_j w_j * loss_j (w_j = step_decay**(j-1), or train.step_weights), with loss_j cross-entropy on that token or
+a divergence between the target's distribution (restricted to the draft vocab) and the drafter's (`train.loss`:
+forward or reverse KL, Jensen-Shannon, total variation, -log acceptance; eaglelab.train.loss).
 """
 
 from __future__ import annotations
@@ -368,8 +369,8 @@ class DrafterModule(L.LightningModule):
             for p in (*self.drafter.lm_head.parameters(), *self.drafter.norm.parameters()):
                 p.requires_grad_(False)
         self.drafter.activation_checkpointing = train_cfg.activation_checkpointing
-        # Target lm_head rows of the draft vocab [V_draft, H_t], frozen: the KL loss's teacher, None for CE. A plain
-        # attribute, not a buffer: DDP would broadcast a buffer every step, and it is never saved.
+        # Target lm_head rows of the draft vocab [V_draft, H_t], frozen: the distilled losses' teacher, None for CE. A
+        # plain attribute, not a buffer: DDP would broadcast a buffer every step, and it is never saved.
         self.target_head = target_head
         self.val_k = (train_cfg.ttt_steps, 2 * train_cfg.ttt_steps)
         self._val_counts: dict[int, AcceptanceCounts] = {}
@@ -431,10 +432,12 @@ class DrafterModule(L.LightningModule):
             self._epoch_started = None
 
     def teacher_head(self) -> torch.Tensor:
-        """The KL teacher's head rows, moved once to the training device (not being a buffer, they do not move with
+        """The teacher's head rows, moved once to the training device (not being a buffer, they do not move with
         the module)."""
         if self.target_head is None:
-            raise TrainingError("train.loss=kl needs the target's lm_head rows (DrafterModule's target_head)")
+            raise TrainingError(
+                f"train.loss={self.train_cfg.loss} needs the target's lm_head rows (DrafterModule's target_head)"
+            )
         if self.target_head.device != self.device:
             self.target_head = self.target_head.to(self.device)
         return self.target_head
@@ -445,8 +448,8 @@ class DrafterModule(L.LightningModule):
         outs = outs or d.unroll(batch.aux, batch.input_ids, steps, first=batch.first)
         target_to_draft = torch.cumsum(d.t2d.long(), 0) - 1  # target id -> draft index (if in vocab)
         B, T = batch.input_ids.shape
-        teacher = None  # KL: the teacher's log-probabilities at every position [B·T, V_d], where small enough to keep
-        if self.train_cfg.loss == "kl" and keeps_teacher(B * T, d.lm_head.weight.shape[0]):
+        teacher = None  # distilled: the teacher's log-probabilities at every position [B·T, V_d], where small to keep
+        if self.train_cfg.distills and keeps_teacher(B * T, d.lm_head.weight.shape[0]):
             teacher = teacher_log_probs(batch.final.flatten(0, 1), self.teacher_head())
         total, losses, correct, counted = 0.0, [], [], []
         for j, out in enumerate(outs, start=1):
@@ -459,17 +462,19 @@ class DrafterModule(L.LightningModule):
                 index = target_to_draft[label].masked_fill(~d.t2d[label], -1)
                 summed, draft = draft_head_loss(out.normed[valid], d.lm_head.weight, index=index)
                 count = d.t2d[label].sum()
-            else:  # KL against the target's next-token distribution at t+j
+            else:  # distilled from the target's next-token distribution at t+j
                 if teacher is not None:
                     rows = valid[0] * T + valid[1] + j  # (its rows in the kept log-probabilities)
                     kl = dict(teacher=teacher, teacher_rows=rows)
                 else:  # (from the target's post-norm state at t+j)
                     kl = dict(teacher_states=shift(batch.final, j)[valid], teacher_head=self.teacher_head())
-                summed, draft = draft_head_loss(out.normed[valid], d.lm_head.weight, **kl)
+                summed, draft = draft_head_loss(
+                    out.normed[valid], d.lm_head.weight, divergence=self.train_cfg.loss, **kl
+                )
                 count = torch.tensor(float(len(label)), device=label.device)
             loss_j = summed / per_process_mean(count).clamp(min=1)
             hit = d.to_target_ids(draft) == label
-            total = total + self.train_cfg.step_decay ** (j - 1) * loss_j
+            total = total + self.train_cfg.step_weight(j) * loss_j
             losses.append(loss_j.detach())
             correct.append(hit.sum())  # a device tensor: read when logged, not here
             counted.append(len(label))
