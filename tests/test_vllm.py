@@ -260,6 +260,7 @@ def test_evaluate_a_checkpoint_on_its_own_over_two_ranks(evaluated_run, cache_di
             "eval.suites.templates.conditions=[native,no_template]",
             "eval.suites.benchmarks.num_prompts=1",
             "eval.suites.benchmarks.max_new_tokens=32",
+            "eval.suites.benchmarks.served=true",
             "eval.vllm.repeats=2",
         ],
         cache_dir,
@@ -309,6 +310,13 @@ def test_evaluate_a_checkpoint_on_its_own_over_two_ranks(evaluated_run, cache_di
         assert float(r["speedup_ci_low"]) <= float(r["speedup"]) <= float(r["speedup_ci_high"]), r
     assert {f"long_context/vllm/speedup@{n}@k{K}@c1" for n in (128, 384)} <= set(after)
     assert (new_dir / "suites" / "long_context_speed.png").stat().st_size > 10_000
+    # Each benchmark served as the field serves it: every request once a pass, one at a time, on the same servers
+    served = {(r["group"], r["method"]): r for r in read_csv(new_dir / "suites" / "benchmarks_throughput.csv")}
+    assert set(served) == {(n, m) for n in ("mt_bench", "humaneval") for m in ("none", "eagle3")}
+    for (name, _), r in served.items():
+        assert int(r["concurrency"]) == 1 and int(r["passes"]) == 2
+        assert int(r["requests"]) == 2 * after[f"benchmarks/prompts@{name}"]  # (both passes: every request each)
+    assert f"benchmarks/vllm/speedup@mt_bench@k{K}@c1" in after
     # Who measured what: every depth and concurrency of each job once, over both ranks, each in its own folder.
     shares = read_csv(new_dir / "evaluation_ranks.csv")
     assert {r["rank"] for r in shares} == {"0", "1"}, shares

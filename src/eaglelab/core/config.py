@@ -510,6 +510,10 @@ class BenchmarksSuite:
     names: list[str] = field(default_factory=lambda: ["mt_bench", "humaneval"])
     num_prompts: int | None = None  # per benchmark, evenly spaced (MT-Bench: questions, both turns each); null: all
     max_new_tokens: int = 96  # per answer (MT-Bench: per turn)
+    # Decode speed served as the field reports it (when vLLM evaluates): every request of each benchmark once a pass,
+    # one at a time (batch 1), without and with the drafter at eval.suites.ks, eval.vllm.repeats passes (the
+    # speedup's interval is over them). Off by default: two servers and 2 × repeats × the benchmark's requests
+    served: bool = False
 
     def __post_init__(self):
         _positive("eval.suites.benchmarks", num_prompts=self.num_prompts, max_new_tokens=self.max_new_tokens)

@@ -96,7 +96,8 @@ def _is(value, hint) -> bool:
 
 
 Ids = list[int]
-PromptGroup = dict[str, list[Ids] | Ids | int]  # {prompts, max_tokens: one per prompt, or one for all}
+# {prompts, max_tokens: one per prompt, or one for all}; a timed group may add its own concurrencies and waves
+PromptGroup = dict[str, list[Ids] | Ids | int]
 
 
 @dataclass(frozen=True, kw_only=True)

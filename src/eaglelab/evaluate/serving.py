@@ -198,19 +198,24 @@ def served_throughput(job: EvaluateJob, k: int | None, log_dir: Path) -> list[di
     """Every timed pass of one method (k=None: no speculation) at every concurrency, for each timed group in turn on
     the same server -> rows (one per pass; `group` names its prompt set, "" for the job's one)."""
     method = "eagle3" if k else "none"
-    rows, top = [], max(job.concurrencies)
+    rows = []
     with Server(job, k, log_dir / f"serve_{method}_k{k or 0}.log", kv_cache_bytes(job, k)) as server:
         startup = server.wait_ready()
         for name, group in timed_groups(job).items():
-            start = 0
+            # A group may carry its own concurrencies and waves (a benchmark: every request once a pass, at c = 1);
+            # of those, the ones this job runs (a rank's share: eaglelab.evaluate.over_ranks)
+            concurrencies = [c for c in group.get("concurrencies", job.concurrencies) if c in job.concurrencies]
+            if not concurrencies:
+                continue
+            start, top, waves = 0, max(concurrencies), group.get("waves", job.waves)
             # Warm-up: the largest batch once, briefly (first-call allocations and batch shapes are not decode speed).
             warm = [
                 dataclasses.replace(r, expected_output_len=min(r.expected_output_len, WARMUP_TOKENS))
                 for r in requests_for(job, group, top, 0)
             ]
             bench_pass(server, job, warm, top, job.temperature)
-            for c in job.concurrencies:
-                n = job.waves * c
+            for c in concurrencies:
+                n = waves * c
                 for repeat in range(job.repeats):
                     server.reset_prefix_cache()  # no pass prefills another's prompts (nor the warm-up's) for it
                     summary = bench_pass(server, job, requests_for(job, group, n, start), c, job.temperature)

@@ -215,49 +215,67 @@ def _vllm_groups(inputs: SuiteInputs) -> dict:
     }
 
 
-def long_context_speed_job(cfg: RunConfig, inputs: SuiteInputs) -> dict:
-    """The suites' engine job's served part: each long-context length timed on its own (eaglelab.evaluate.serving's
-    `timed_groups`), with and without the drafter; nothing to time without the suite or its concurrencies."""
-    lc, v = cfg.eval.suites.long_context, cfg.eval.vllm
-    if not (inputs.long_context and lc.concurrencies):
+def served_job(cfg: RunConfig, inputs: SuiteInputs) -> dict:
+    """The suites' engine job's served part: each long-context length timed on its own at
+    eval.suites.long_context.concurrencies, and (`eval.suites.benchmarks.served`) each benchmark over every one of its
+    requests a pass at batch 1 (eaglelab.evaluate.serving's `timed_groups`), with and without the drafter; nothing to
+    time without either."""
+    lc, bm, v = cfg.eval.suites.long_context, cfg.eval.suites.benchmarks, cfg.eval.vllm
+    timed = {}
+    if inputs.long_context and lc.concurrencies:
+        timed.update({str(n): {**_group(f), "concurrencies": lc.concurrencies} for n, f in inputs.long_context.items()})
+    if inputs.benchmarks and bm.served:
+        timed.update({f"benchmarks/{n}": {**_group(f), "waves": len(f), "concurrencies": [1]}
+                      for n, f in inputs.benchmarks.items()})  # fmt: skip
+    if not timed:
         return {}
     return {
-        "throughput_ks": suite_ks(cfg, "long_context"),  # (the depths vLLM measures the suite at)
-        "concurrencies": lc.concurrencies,
-        "timed_groups": {
-            str(n): {"prompts": prompt_ids(f), "max_tokens": [int(b) for b in f["max_tokens"]]}
-            for n, f in inputs.long_context.items()
-        },
+        "throughput_ks": suite_ks(cfg, "long_context"),  # (eval.suites.ks: the depths vLLM times the suites at)
+        "concurrencies": sorted({c for g in timed.values() for c in g["concurrencies"]}),
+        "timed_groups": timed,
         "waves": v.waves,
         "repeats": v.repeats,
         "temperature": v.served_temperature,
     }
 
 
-def long_context_speed(cfg: RunConfig, out_dir: Path, passes: list[dict]) -> dict:
-    """long_context_throughput.csv (one row per length, method, k and c: speedup with its interval, TTFT/TPOT),
-    its passes and figure -> metrics `long_context/vllm/{speedup,...}@{length}@k{k}@c{c}`."""
+def _group(features) -> dict:
+    return {"prompts": prompt_ids(features), "max_tokens": [int(b) for b in features["max_tokens"]]}
 
-    rows = throughput_rows(passes)
-    write_csv(out_dir / "long_context_throughput.csv", rows)
-    write_csv(out_dir / "long_context_throughput_passes.csv", passes)
-    plot_long_context_speed(out_dir, cfg.label)
+
+def served_speed(cfg: RunConfig, out_dir: Path, passes: list[dict]) -> dict:
+    """The suites' timed passes -> long_context_throughput.csv (one row per length, method, k and c: speedup with its
+    interval, TTFT/TPOT) and benchmarks_throughput.csv (one row per benchmark, method and k at c = 1), their passes
+    and figure -> metrics `long_context/vllm/{speedup,...}@{length}@k{k}@c{c}`, `benchmarks/vllm/...@{name}@k{k}@c1`."""
     metrics = {}
-    for r in rows:
-        at = f"{r['group']}@k{r['k']}@c{r['concurrency']}"
-        if r["method"] != "none":
-            metrics[f"long_context/vllm/speedup@{at}"] = r["speedup"]
-            if not math.isnan(r["speedup_ci_low"]):
-                metrics[f"long_context/vllm/speedup_ci_low@{at}"] = r["speedup_ci_low"]
-                metrics[f"long_context/vllm/speedup_ci_high@{at}"] = r["speedup_ci_high"]
-        for what in ("output_tokens_per_s", "ttft_p50_ms", "tpot_p50_ms"):
-            metrics[f"long_context/vllm/{what}@{r['method']}@{at}"] = r[what]
+    for suite, mine in (
+        ("long_context", [p for p in passes if not str(p["group"]).startswith("benchmarks/")]),
+        ("benchmarks", [{**p, "group": p["group"].split("/", 1)[1]} for p in passes
+                        if str(p["group"]).startswith("benchmarks/")]),
+    ):  # fmt: skip
+        if not mine:
+            continue
+        rows = throughput_rows(mine)
+        write_csv(out_dir / f"{suite}_throughput.csv", rows)
+        write_csv(out_dir / f"{suite}_throughput_passes.csv", mine)
+        if suite == "long_context":
+            plot_long_context_speed(out_dir, cfg.label)
+        for r in rows:
+            at = f"{r['group']}@k{r['k']}@c{r['concurrency']}"
+            if r["method"] != "none":
+                metrics[f"{suite}/vllm/speedup@{at}"] = r["speedup"]
+                if not math.isnan(r["speedup_ci_low"]):
+                    metrics[f"{suite}/vllm/speedup_ci_low@{at}"] = r["speedup_ci_low"]
+                    metrics[f"{suite}/vllm/speedup_ci_high@{at}"] = r["speedup_ci_high"]
+            for what in ("output_tokens_per_s", "ttft_p50_ms", "tpot_p50_ms"):
+                metrics[f"{suite}/vllm/{what}@{r['method']}@{at}"] = r[what]
     return metrics
 
 
 def suites_job(cfg: RunConfig, drafter, inputs: SuiteInputs, run_dir: Path, serving: Serving) -> EvaluateJob | None:
     """The long-context, template and benchmark prompt sets' engine job (None without any): τ at the suite depths per
-    condition, the capture along vLLM's outputs, and each long-context length served with and without the drafter."""
+    condition, the capture along vLLM's outputs, and each long-context length (and benchmark, where asked) served
+    with and without the drafter."""
     if not (inputs.long_context or inputs.templates or inputs.benchmarks):
         return None
     v = cfg.eval.vllm
@@ -274,7 +292,7 @@ def suites_job(cfg: RunConfig, drafter, inputs: SuiteInputs, run_dir: Path, serv
         gpu_memory_utilization=v.gpu_memory_utilization,
         tensor_parallel_size=v.tensor_parallel_size,
         along_vllm=along_vllm_spec(drafter, v.parity_along_vllm, cfg.paths.scratch_dir),
-        **long_context_speed_job(cfg, inputs),
+        **served_job(cfg, inputs),
     )
 
 
@@ -337,7 +355,7 @@ def evaluate_suites(
         vllm_rows = {(r["group"], r["k"]): r for r in engine["acceptance"]}
         along = engine["along"]
         if engine["throughput"]:
-            metrics.update(long_context_speed(cfg, out_dir, engine["throughput"]))
+            metrics.update(served_speed(cfg, out_dir, engine["throughput"]))
     per_prompt, per_prompt_depth = [], []  # every suite's, one `suite` per condition (analysis/paired.py)
     for suite, groups in (
         ("long_context", inputs.long_context),

@@ -358,6 +358,50 @@ def context_mask(
     return visible
 
 
+@dataclass(frozen=True)
+class ContextShard:
+    """Context parallelism: this rank's share of every sequence, positions [start, end) of T = size · (end - start),
+    among `size` ranks of `group` (torch.distributed) that hold the rest in order. Everything in the TTT unroll is
+    per position but the attention over the verified context: a query at t reads the step-1 keys 0..t, which lie on
+    this rank and the ranks before it. So step 1's keys and values are gathered from the group (`gather`, exact: the
+    backward pass hands each rank the gradient of its own keys summed over every rank's queries), and every draft
+    step's queries attend to them here; a query's own draft keys (steps >= 2, at its t) never leave its rank. The
+    memory per rank is its share of the activations plus the context's keys and values ([B, kv, T, d] per layer)."""
+
+    start: int
+    end: int
+    rank: int
+    size: int
+    group: object = None  # torch.distributed's ProcessGroup (None: the default group)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, kv, T / size, d] this rank's keys (or values) -> [B, kv, end, d]: every rank's, up to this one's."""
+        return _GatherSequence.apply(x, self)[:, :, : self.end]
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along the sequence (dim 2); backward: every rank's gradient of the whole, summed (all-reduce, which
+    every backend has, gloo included), then this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, shard):
+        import torch.distributed as dist
+
+        ctx.shard = shard
+        parts = [torch.empty_like(x) for _ in range(shard.size)]
+        dist.all_gather(parts, x.contiguous(), group=shard.group)
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        shard, grad = ctx.shard, grad.contiguous()
+        dist.all_reduce(grad, group=shard.group)
+        n = grad.shape[2] // shard.size
+        return grad[:, :, shard.rank * n : (shard.rank + 1) * n], None
+
+
 class Attention(nn.Module):
     """Self-attention of one draft step, through PyTorch's fused kernel (`scaled_dot_product_attention`).
 
@@ -413,19 +457,24 @@ class Attention(nn.Module):
         return q, k, self.v_proj(x).view(B, Tq, kv, d).transpose(1, 2)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, query_t: torch.Tensor, past: tuple
+        self, x: torch.Tensor, positions: torch.Tensor, query_t: torch.Tensor, past: tuple, shard=None
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Draft step j = len(past) + 1 for queries x: [B, Tq, in_dim] at position ids `positions` [B, Tq]
-        (t + j - 1), drafting from verified positions `query_t` [B, Tq] (the last Tq, t = T - Tq + i). `past`
-        holds (k, v) of steps 1..j-1 of this layer: step 1 over all T context positions [B, kv, T, d], later
-        steps in the queries' layout [B, kv, Tq, d]. -> (output [B, Tq, H], this step's (k, v))."""
+        (t + j - 1), drafting from verified positions `query_t` [B, Tq] (the last Tq of the context, t = T - Tq + i).
+        `past` holds (k, v) of steps 1..j-1 of this layer: step 1's over the context [B, kv, T, d], later steps in
+        the queries' layout [B, kv, Tq, d]. `shard` (a ContextShard, step 1 only): the queries are this rank's
+        positions, the context every position up to its last, gathered. -> (output [B, Tq, H], this step's (k, v):
+        at step 1 the context's)."""
         B, Tq, _ = x.shape
         q, k, v = self.project(x, positions)
-        k_ctx, v_ctx = past[0] if past else (k, v)  # step-1 keys: the verified context
+        if past:
+            k_ctx, v_ctx = past[0]  # step-1 keys: the verified context
+        else:
+            k_ctx, v_ctx = (shard.gather(k), shard.gather(v)) if shard is not None else (k, v)
         own = [*past[1:], (k, v)] if past else []  # steps 2..j at the same t ("diagonal" keys)
         attend = self._attend_explicit if self.probe is not None else self._attend_fused
         out = attend(q, k_ctx, v_ctx, own, positions, query_t)  # [B, h, Tq, d_v]
-        return self.o_proj(out.transpose(1, 2).reshape(B, Tq, -1)), (k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(B, Tq, -1)), ((k, v) if past else (k_ctx, v_ctx))
 
     def _own_scores(self, q, own, positions) -> list[torch.Tensor]:
         """q: [B, h, tq, d] · each own draft's key at the same t -> scores [B, h, tq, 1], the sliding window applied:
@@ -452,11 +501,13 @@ class Attention(nn.Module):
         kernels take one head dim, and the math path they would fall back to keeps [B, h, T, T] probabilities."""
         cfg, (B, h, Tq, d), T, dv = self.cfg, q.shape, k_ctx.shape[2], v_ctx.shape[-1]
         scale = 1.0 / math.sqrt(d)
-        if not own:  # step 1: every position, plain causal attention over the context
+        if not own:  # step 1: causal attention over the context (whose last Tq positions are the queries)
             mask = None
             if cfg.attention_window is not None:
                 mask = self._window_mask(positions[0], query_t[0], torch.arange(T, device=q.device))
-            return self._sdpa(q, k_ctx, F.pad(v_ctx, (0, d - dv)), mask, scale)[..., :dv]
+            front = T - Tq  # (context parallelism: the earlier ranks' positions) zero queries align the causal mask
+            q_x = torch.cat([q.new_zeros(B, h, front, d), q], dim=2) if front else q
+            return self._sdpa(q_x, k_ctx, F.pad(v_ctx, (0, d - dv)), mask, scale)[:, :, front:, :dv]
         rep = h // k_ctx.shape[1]
         scores = torch.cat(self._own_scores(q, own, positions), dim=-1)  # [B, h, Tq, j-1]
         scores = scores.to(torch.promote_types(scores.dtype, torch.float32))  # softmax in float32 at least
@@ -595,7 +646,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, embeds, hidden, positions, query_t, past):
+    def forward(self, embeds, hidden, positions, query_t, past, shard=None):
         """embeds, hidden: [B, Tq, H] -> ([B, Tq, H] pre-norm residual stream, this step's (k, v)). A pure
         function of its inputs, so activation checkpointing can run it again for the backward pass."""
         if self.first:
@@ -609,7 +660,7 @@ class DecoderLayer(nn.Module):
         else:
             residual = hidden
             x = self.input_layernorm(hidden)
-        attended, kv = self.self_attn(x, positions, query_t, past)
+        attended, kv = self.self_attn(x, positions, query_t, past, shard)
         residual = residual + attended
         return residual + self.mlp(self.post_attention_layernorm(residual)), kv
 
@@ -682,23 +733,30 @@ class Eagle3Drafter(nn.Module):
         """The state the next draft step is fed: EAGLE-3 feeds o_t, EAGLE-3.1 feeds norm(o_t)."""
         return normed if self.cfg.norm_output else prenorm
 
-    def step(self, tokens, hidden, positions, query_t, caches) -> StepOutput:
+    def step(self, tokens, hidden, positions, query_t, caches, shard=None) -> StepOutput:
         """One draft step. tokens: [B, Tq]; hidden: [B, Tq, H]; positions, query_t: [B, Tq]; caches: per layer,
-        the (k, v) of the earlier steps, to which this step's are appended."""
+        the (k, v) of the earlier steps, to which this step's are appended; shard: step 1 under context
+        parallelism (ContextShard)."""
         embeds = self.embed_tokens(tokens)
         x = hidden
         for layer, cache in zip(self.layers, caches):
             if self.activation_checkpointing and torch.is_grad_enabled():
-                # Keep only the layer's inputs; its activations are recomputed in the backward pass.
-                x, kv = checkpoint(layer, embeds, x, positions, query_t, tuple(cache), use_reentrant=False)
+                # Keep only the layer's inputs; its activations are recomputed in the backward pass (a gather
+                # among them: every rank recomputes its layers in the same order, so the collectives meet again).
+                x, kv = checkpoint(layer, embeds, x, positions, query_t, tuple(cache), shard, use_reentrant=False)
             else:
-                x, kv = layer(embeds, x, positions, query_t, tuple(cache))
+                x, kv = layer(embeds, x, positions, query_t, tuple(cache), shard)
             cache.append(kv)
         normed = self.norm(x)
         return StepOutput(normed, self.feedback(x, normed), x)
 
     def unroll(
-        self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int, first: torch.Tensor | None = None
+        self,
+        aux: torch.Tensor,
+        input_ids: torch.Tensor,
+        steps: int,
+        first: torch.Tensor | None = None,
+        shard: ContextShard | None = None,
     ) -> list[StepOutput]:
         """Training-time test: `steps` draft steps at every position of a teacher-forced sequence.
 
@@ -708,30 +766,40 @@ class Eagle3Drafter(nn.Module):
         later step attends to). `first` [B]: the first position that drafts (prompt length - 1);
         steps >= 2 then run only from there on, as an engine drafts only from verified positions
         after the prompt. Outputs are [B, T, ·], zero where a step did not run.
+
+        `shard` (context parallelism): this rank runs positions [start, end) only; aux holds theirs
+        ([B, end - start, ·]), input_ids and `first` the whole sequences', and the outputs are its positions'.
         """
         B, T = input_ids.shape
+        lo, hi = (shard.start, shard.end) if shard is not None else (0, T)
+        if shard is not None and self.cfg.attention_window is not None:
+            raise ValueError("context parallelism does not take a sliding attention window (drafter.attention_window)")
         device = input_ids.device
         padded = F.pad(input_ids, (0, steps))  # [B, T + steps]
         caches = [[] for _ in self.layers]
-        every = torch.arange(T, device=device).expand(B, T)
-        out = self.step(padded[:, 1 : T + 1], self.fuse(aux), every, every, caches)
+        mine = torch.arange(lo, hi, device=device).expand(B, hi - lo)
+        out = self.step(padded[:, lo + 1 : hi + 1], self.fuse(aux), mine, mine, caches, shard)
         outs = [out]
         # Queries of steps >= 2: the last Tq positions, from the earliest first[b] on, the same for every sequence
         # ([B, Tq]); those before a sequence's own first[b] run but are not kept (`real`).
         first = torch.zeros(B, dtype=torch.long, device=device) if first is None else first.clamp(0, T - 1)
-        Tq = T - int(first.min())
-        t = (T - Tq + torch.arange(Tq, device=device)).expand(B, Tq)  # [B, Tq]
+        start = min(max(lo, int(first.min())), hi)
+        Tq = hi - start
+        t = (start + torch.arange(Tq, device=device)).expand(B, Tq)  # [B, Tq]
         real = t >= first[:, None]
         rows = torch.arange(B, device=device)[:, None]
-        hidden = out.hidden[:, T - Tq :]
+        hidden = out.hidden[:, start - lo :]
         keep = real[..., None]  # [B, Tq, 1]
         for j in range(2, steps + 1):
+            if not Tq:  # (context parallelism: a rank whose positions all lie in the prompts drafts nothing)
+                outs.append(StepOutput(*(torch.zeros_like(x) for x in (out.normed, out.hidden, out.prenorm))))
+                continue
             step = self.step(padded[rows, t + j], hidden, t + (j - 1), t, caches)
             hidden = step.hidden
             # [B, Tq, H] -> [B, T, H]: the queries are the last Tq positions, zeros where no query ran (no
             # boolean indexing: it would wait for the device to count the kept rows, three times a step)
             outs.append(
-                StepOutput(*(F.pad(x * keep, (0, 0, T - Tq, 0)) for x in (step.normed, step.hidden, step.prenorm)))
+                StepOutput(*(F.pad(x * keep, (0, 0, start - lo, 0)) for x in (step.normed, step.hidden, step.prenorm)))
             )
         return outs
 

@@ -270,7 +270,8 @@ def plan(cfg: RunConfig) -> Plan:
     else:
         out.append(f"engines: {engines} GPUs {where} ({_n(engines // engine.gpus, 'engine')} of {engine.gpus})")
     out.append(
-        f"trainers: {_n(trainers, 'rank')}; the drafter ({_n(d.num_layers, d.layer + ' layer')}, TTT {train.ttt_steps}, "
+        f"trainers: {_n(trainers, 'rank')}; the drafter ({_n(d.num_layers, d.layer + ' layer')}, "
+        f"TTT {train.ttt_steps}, "
         f"{flops / 1e9:.1f} GFLOP a token) trains {train_rate / 1e3:,.1f}k tokens/s a GPU; "
         f"{size_text(memory)} a GPU at T = {T:,} ({'fits' if fits else 'does NOT fit'} in {gpu.memory_gb:.0f} GB"
         + ("" if fits else ": lower train.tokens_per_batch or data.max_length, or set train.activation_checkpointing")

@@ -133,9 +133,21 @@ def _benchmark_lines(metrics: dict, config: dict) -> list[str]:
         line += " simulated " + "/".join(f"{tau['simulated'][k]:.3f}" for k in ks)
         if tau["vllm"]:
             line += ", vLLM " + "/".join(f"{tau['vllm'][k]:.3f}" if k in tau["vllm"] else "-" for k in ks)
+        line += _served_at_batch_one(metrics, name)
         refs = [f"τ@{r['k']} {r['acceptance_length']:.2f} ({r['source']})" for r in published if r["benchmark"] == name]
         lines.append(line + (f"; published for this target: {'; '.join(refs)}" if refs else ""))
     return lines
+
+
+def _served_at_batch_one(metrics: dict, name: str) -> str:
+    """A benchmark's served speedup at each timed depth (eval.suites.benchmarks.served), with its interval."""
+    prefix, out = f"benchmarks/vllm/speedup@{name}@k", ""
+    for key in sorted((m for m in metrics if m.startswith(prefix)), key=lambda m: int(m[len(prefix) :].split("@")[0])):
+        at = key.removeprefix("benchmarks/vllm/speedup@")
+        low, high = (metrics.get(f"benchmarks/vllm/speedup_ci_{end}@{at}") for end in ("low", "high"))
+        interval = f" [{low:.2f}, {high:.2f}]" if low is not None else ""
+        out += f"; served one request at a time, k={key[len(prefix) :].split('@')[0]}: {metrics[key]:.2f}x{interval}"
+    return out
 
 
 def run_summary(run_dir: Path) -> list[str]:

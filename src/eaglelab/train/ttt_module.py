@@ -30,7 +30,7 @@ from eaglelab.core.errors import TrainingError
 from eaglelab.core.io import atomic_file
 from eaglelab.core.preemption import uninterruptible
 from eaglelab.models.acceptance import AcceptanceCounts
-from eaglelab.models.drafter import Eagle3Config, Eagle3Drafter
+from eaglelab.models.drafter import ContextShard, Eagle3Config, Eagle3Drafter
 from eaglelab.train.batches import Batch, HybridStates, OnlineStates, acceptance_counts, shift
 from eaglelab.train.loss import draft_head_loss, keeps_teacher, teacher_log_probs
 
@@ -442,12 +442,15 @@ class DrafterModule(L.LightningModule):
             self.target_head = self.target_head.to(self.device)
         return self.target_head
 
-    def ttt(self, batch: Batch, steps: int, outs: list | None = None):
-        """-> (weighted loss, [loss_j], [correct_j], [count_j]) over draft steps j = 1..steps."""
+    def ttt(self, batch: Batch, steps: int, outs: list | None = None, shard: ContextShard | None = None):
+        """-> (weighted loss, [loss_j], [correct_j], [count_j]) over draft steps j = 1..steps. `shard` (context
+        parallelism): this rank's positions of every sequence (batch.aux holds theirs, the rest of the batch the
+        whole sequences'); its terms are its positions' sums over the mean count per process, as DDP's are."""
         d = self.drafter
-        outs = outs or d.unroll(batch.aux, batch.input_ids, steps, first=batch.first)
+        outs = outs or d.unroll(batch.aux, batch.input_ids, steps, first=batch.first, shard=shard)
         target_to_draft = torch.cumsum(d.t2d.long(), 0) - 1  # target id -> draft index (if in vocab)
         B, T = batch.input_ids.shape
+        lo, hi = (shard.start, shard.end) if shard is not None else (0, T)
         teacher = None  # distilled: the teacher's log-probabilities at every position [B·T, V_d], where small to keep
         if self.train_cfg.distills and keeps_teacher(B * T, d.lm_head.weight.shape[0]):
             teacher = teacher_log_probs(batch.final.flatten(0, 1), self.teacher_head())
@@ -455,8 +458,8 @@ class DrafterModule(L.LightningModule):
         for j, out in enumerate(outs, start=1):
             # Only drafts an engine makes: from t >= P-1, inside the sequence. Their indices once per step (the one
             # host sync of a step: a boolean mask would wait for the device at each of its uses, and backward).
-            valid = batch.drafting(j).nonzero(as_tuple=True)
-            label = shift(batch.target_next, j)[valid]  # target's greedy token after t+j: [N]
+            valid = batch.drafting(j)[:, lo:hi].nonzero(as_tuple=True)  # (b, t - lo): this rank's positions
+            label = shift(batch.target_next, j)[:, lo:hi][valid]  # target's greedy token after t+j: [N]
             # Summed over the rows, through the head in chunks (eaglelab.train.loss: no [N, V_draft] logits kept)
             if self.train_cfg.loss == "ce":  # tokens outside the draft vocab cannot be learnt (index -1)
                 index = target_to_draft[label].masked_fill(~d.t2d[label], -1)
@@ -464,10 +467,10 @@ class DrafterModule(L.LightningModule):
                 count = d.t2d[label].sum()
             else:  # distilled from the target's next-token distribution at t+j
                 if teacher is not None:
-                    rows = valid[0] * T + valid[1] + j  # (its rows in the kept log-probabilities)
+                    rows = valid[0] * T + valid[1] + lo + j  # (its rows in the kept log-probabilities)
                     kl = dict(teacher=teacher, teacher_rows=rows)
                 else:  # (from the target's post-norm state at t+j)
-                    kl = dict(teacher_states=shift(batch.final, j)[valid], teacher_head=self.teacher_head())
+                    kl = dict(teacher_states=shift(batch.final, j)[:, lo:hi][valid], teacher_head=self.teacher_head())
                 summed, draft = draft_head_loss(
                     out.normed[valid], d.lm_head.weight, divergence=self.train_cfg.loss, **kl
                 )
