@@ -7,11 +7,12 @@ against one, on the same sequence, model and loss.
 One training step as Lightning runs it (`DrafterModule.ttt` + backward) on the SmolLM2-135M drafter shape (hidden
 576, 9 heads / 3 KV heads of 64, intermediate 1536, vocab 49152, draft vocab 8192, one layer; the MLA layer with a
 128-wide latent, 64 + 32-wide q/k heads and 64-wide values), fp32, B sequences of T tokens whose prompts are the
-first T/8 (`--prompt`: so the first rank's early positions, or all of them, draft nothing at steps >= 2). The reference is one process holding the
-whole sequence; the N ranks each hold T/N positions of the target's states and run the same step, their terms
-summed over the ranks as DDP's gradient average would (each rank's loss is its positions' sum over the mean count per
-process). Reported: the largest absolute difference of the loss and of every gradient (each parameter's), each
-process's peak memory during the step (peak RSS less the RSS before it) and step time, one thread per process.
+first T/8 (`--prompt`: so the first rank's early positions, or all of them, draft nothing at steps >= 2). The
+reference is one process holding the whole sequence; the N ranks each hold T/N positions of the target's states and
+run the same step, their terms summed over the ranks as DDP's gradient average would (each rank's loss is its
+positions' sum over the mean count per process). Reported: the largest absolute difference of the loss and of
+every gradient (each parameter's), each process's peak memory during the step (peak RSS less the RSS before it) and
+step time, one thread per process.
 """
 
 import argparse
@@ -118,7 +119,8 @@ def rank(args, r: int, init: str, ref: Path) -> None:
         want = torch.load(ref)
         row = {
             "length": args.length, "cp": args.cp, "ttt_steps": args.ttt, "layer": args.layer, "loss": args.loss,
-            "batch": args.batch, "loss_value": want["loss"], "loss_abs_diff": abs(float(total) / args.cp - want["loss"]),
+            "batch": args.batch, "loss_value": want["loss"],
+            "loss_abs_diff": abs(float(total) / args.cp - want["loss"]),
             "grad_max_abs_diff": max(float((grads[k] - want["grads"][k]).abs().max()) for k in want["grads"]),
             "grad_max_abs": max(float(g.abs().max()) for g in want["grads"].values()),
             "parameters_compared": len(want["grads"]), "missing": sorted(set(want["grads"]) - set(grads)),
