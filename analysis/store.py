@@ -24,7 +24,7 @@ from scipy import stats
 from eaglelab.models.variants import VARIANT_FLAGS
 
 # Config keys that do not change what was measured (where results went, how they were logged).
-NOT_SETUP = ("train.seed", "run_dir", "paths.", "logger.", "checkpoint", "hydra.", "objective")
+NOT_SETUP = ("train.seed", "run_dir", "paths.", "logger.", "checkpoint", "hydra.", "objective", "plan.", "recipe.")
 # The data-scaling axis (sweeps/data_scaling.yaml): a setup's label without it is one line of the scaling figure.
 DATA_SIZE = "data.num_prompts"
 # The flags a variant fixes (eaglelab.models.variants): implied by the variant's name, not shown in labels.
@@ -40,10 +40,12 @@ RESULT_TABLES = [
     "suites/extrapolation.csv",
     "suites/long_context.csv",
     "suites/templates.csv",
+    "suites/benchmarks.csv",
     "suites/drift.csv",
     "suites/drift_per_prompt.csv",
     "suites/fc_balance.csv",
     "suites/long_context_throughput.csv",
+    "suites/benchmarks_throughput.csv",
     "suites/per_prompt.csv",
     "suites/per_prompt_depth.csv",
 ]
