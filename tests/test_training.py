@@ -559,3 +559,12 @@ def test_the_loaders_read_ahead_is_sized_in_bytes():
     assert loader_options(TrainConfig(accelerator="gpu", prefetch_gb=8.0), 805_000_000)["prefetch_factor"] == 2
     assert loader_options(gpu, 3_000_000)["prefetch_factor"] == 4
     assert "prefetch_factor" not in loader_options(TrainConfig(accelerator="cpu"), 805_000_000)  # no workers
+
+
+def test_every_loss_the_config_offers_is_one_the_loss_computes():
+    import typing
+
+    from eaglelab.train.loss import DIVERGENCES
+
+    offered = typing.get_args(typing.get_type_hints(TrainConfig)["loss"])
+    assert set(offered) == {"ce", *DIVERGENCES}

@@ -209,10 +209,7 @@ def _vllm_sets(inputs: SuiteInputs) -> dict:
 
 def _vllm_groups(inputs: SuiteInputs) -> dict:
     """The suites' prompt sets for one engine, each with its sequences' own budgets."""
-    return {
-        name: {"prompts": prompt_ids(f), "max_tokens": [int(b) for b in f["max_tokens"]]}
-        for name, f in _vllm_sets(inputs).items()
-    }
+    return {name: _group(f) for name, f in _vllm_sets(inputs).items()}
 
 
 def served_job(cfg: RunConfig, inputs: SuiteInputs) -> dict:
@@ -240,6 +237,7 @@ def served_job(cfg: RunConfig, inputs: SuiteInputs) -> dict:
 
 
 def _group(features) -> dict:
+    """A prompt set as an engine takes it: each sequence's prompt ids and the budget it was regenerated with."""
     return {"prompts": prompt_ids(features), "max_tokens": [int(b) for b in features["max_tokens"]]}
 
 

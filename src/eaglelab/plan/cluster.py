@@ -188,13 +188,48 @@ class Plan:
     seconds: float  # how long the plan took to make
 
 
+@dataclass(frozen=True)
+class Rates:
+    """Tokens a second at the stated share of peak: one GPU's capture (a forward over a given sequence), one engine's
+    regeneration (a decode step reads every weight once and computes DECODE_BATCH tokens), one trainer GPU's."""
+
+    capture: float
+    decode: float
+    train: float
+
+    @classmethod
+    def of(cls, size: TargetSize, engine: EngineShape, gpu: Gpu, utilization: float, drafter_flops: float) -> Rates:
+        peak = utilization * gpu.bf16_tflops * 1e12
+        step_s = max(
+            size.weight_bytes / (engine.gpus * gpu.hbm_tb_s * 1e12),
+            2 * size.active * DECODE_BATCH / (engine.gpus * peak),
+        )
+        return cls(capture=peak / (2 * size.active), decode=DECODE_BATCH / step_s, train=peak / drafter_flops)
+
+
+def split(cfg: RunConfig, engine: EngineShape, rates: Rates) -> tuple[int, int, bool]:
+    """(engine GPUs, trainer GPUs, whether the engines are on nodes of their own). Cached, online and hybrid
+    features prepare the data on every GPU and then train on every GPU; a stream runs both at once, with as many
+    engines as keep up with the trainers (capture × engines ≥ training × trainers). A target that does not fit the
+    GPUs given, or `plan.engine_gpus`, puts the engines on nodes of their own."""
+    G, asked = cfg.plan.gpus, cfg.plan.engine_gpus
+    apart = engine.gpus > G or asked is not None
+    if cfg.features.kind != "stream":
+        return asked or (G // engine.gpus) * engine.gpus, G, apart
+    if apart:
+        return asked or engine.gpus * max(1, math.ceil(G * rates.train / rates.capture / engine.gpus)), G, True
+    share = rates.train / (rates.train + rates.capture)
+    engines = min(G - 1, engine.gpus * max(1, math.ceil(G * share / engine.gpus)))
+    return engines, G - engines, False
+
+
 def plan(cfg: RunConfig) -> Plan:
+    """The plan's lines for `cfg` on plan.gpus × plan.gpu (the module's docstring says what each rests on)."""
     t0 = time.perf_counter()
     p: PlanConfig = cfg.plan
     if p.gpu not in GPUS:
         raise ConfigError(f"plan.gpu={p.gpu} is not known: one of {', '.join(GPUS)}")
     gpu, G, U = GPUS[p.gpu], p.gpus, p.utilization
-    peak = gpu.bf16_tflops * 1e12
     config = target_config(cfg)
     size = target_size(config)
     aux = cfg.drafter.aux_layer_ids or default_aux_layer_ids(config.num_hidden_layers)
@@ -202,129 +237,107 @@ def plan(cfg: RunConfig) -> Plan:
     d = Eagle3Config.for_target(
         cfg.drafter, config, aux_layer_ids=aux, draft_vocab_size=cfg.drafter.draft_vocab_size, max_context=max_context
     )
-    data, train = cfg.data, cfg.train
+    data, train, kind = cfg.data, cfg.train, cfg.features.kind
     T = min(data.max_length, max_context)
     mean = min(p.mean_tokens or T, T)
     samples = data.num_prompts + data.val_prompts
-    tokens = samples * mean
-    new_tokens = samples * min(data.max_new_tokens, mean)
-
+    tokens, new_tokens = samples * mean, samples * min(data.max_new_tokens, mean)
+    engine = engine_shape(size, gpu)
+    flops = drafter_flops_per_token(cfg, d)
+    rates = Rates.of(size, engine, gpu, U, flops)
+    engines, trainers, apart = split(cfg, engine, rates)
     out = [
         f"target: {cfg.recipe.name or cfg.target.name_or_path or cfg.target.kind} ({_count(size.parameters)} "
         f"parameters, {_count(size.active)} active a token; weights {size_text(size.weight_bytes)}; "
         f"KV {size_text(size.kv_bytes_per_token)} a token) on {G} × {gpu.name} ({gpu.memory_gb:.0f} GB, "
         f"{gpu.bf16_tflops:,.0f} TFLOP/s bf16 dense, {gpu.hbm_tb_s} TB/s)",
         f"data: {samples:,} samples × {'≤ ' if not p.mean_tokens else '~'}{mean:,} tokens = "
-        f"{_count(tokens)} tokens ({_count(new_tokens)} of them regenerated), features={cfg.features.kind}",
+        f"{_count(tokens)} tokens ({_count(new_tokens)} of them regenerated), features={kind}",
+        _engine_line(config, size, engine, gpu, rates),
     ]
 
-    # Engines
-    engine = engine_shape(size, gpu)
-    capture_rate = U * peak / (2 * size.active)  # tokens/s a GPU: one forward over a given sequence
-    step_s = max(
-        size.weight_bytes / (engine.gpus * gpu.hbm_tb_s * 1e12),  # the weights read once a decode step
-        2 * size.active * DECODE_BATCH / (engine.gpus * U * peak),
-    )
-    decode_rate = DECODE_BATCH / step_s  # tokens/s an engine
-    weights_per_gpu = size.weight_bytes / engine.gpus
-    kv_room = 0.9 * gpu.memory_gb * 1e9 - weights_per_gpu
-    # A token's KV is split over the pipeline's stages (their layers) and, but for MLA's latent, which every
-    # tensor-parallel rank keeps whole, over the TP ranks (their heads)
-    kv_split = engine.pipeline_parallel * (1 if getattr(config, "kv_lora_rank", None) else engine.tensor_parallel)
-    out.append(
-        f"engine: TP {engine.tensor_parallel}"
-        + (f" × PP {engine.pipeline_parallel}" if engine.pipeline_parallel > 1 else "")
-        + f" = {_n(engine.gpus, 'GPU')} on {_n(math.ceil(engine.gpus / gpu.per_node), 'node')}; "
-        f"{size_text(weights_per_gpu)} of weights a GPU, {size_text(max(kv_room, 0))} left for KV "
-        f"(~{max(kv_room, 0) * kv_split / size.kv_bytes_per_token / 1e3:,.0f}k tokens an engine); "
-        f"captures {capture_rate * engine.gpus / 1e3:,.1f}k tokens/s, regenerates {decode_rate / 1e3:,.1f}k "
-        f"tokens/s at {DECODE_BATCH} sequences"
-    )
-
-    # Trainers
-    flops = drafter_flops_per_token(cfg, d)
-    train_rate = U * peak / flops  # tokens/s a trainer GPU
-    batch = PromptSet("train", 1, T - min(data.max_new_tokens, T // 2), T, min(data.max_new_tokens, T), "plan")
-    shape = TargetShape.of_config(config, dtype_bytes=2, max_context=max_context)
-    memory = train_bytes(cfg, shape, d, batch, ALLOCATOR_SLACK["cuda"], torch.device("cuda"))
-    if cfg.features.kind in ("online", "hybrid"):  # the target computes the states inside each trainer
-        memory += size.weight_bytes
-    fits = memory <= 0.95 * gpu.memory_gb * 1e9
-    engine_nodes = engine.gpus > G or p.engine_gpus is not None
-    if cfg.features.kind == "stream":
-        if engine_nodes:
-            trainers = G
-            engines = p.engine_gpus or engine.gpus * max(1, math.ceil(G * train_rate / capture_rate / engine.gpus))
-        else:  # capture keeps up with training: engines × capture_rate ≥ trainers × train_rate
-            share = train_rate / (train_rate + capture_rate)
-            engines = min(G - 1, engine.gpus * max(1, math.ceil(G * share / engine.gpus)))
-            trainers = G - engines
-    else:
-        trainers = G
-        engines = p.engine_gpus or (G // engine.gpus) * engine.gpus
-    where = "on engine nodes of their own" if engine_nodes else f"of the {G}"
+    # The engines (none where the target needs more GPUs than these and no engine nodes are named)
     if engines < engine.gpus:
         out.append(f"engines: the target needs {engine.gpus} GPUs of this type: more than the {G} given; plan them on "
                    f"engine nodes with plan.engine_gpus={engine.gpus} (or more)")  # fmt: skip
         engines = 0
     else:
+        where = "on engine nodes of their own" if apart else f"of the {G}"
         out.append(f"engines: {engines} GPUs {where} ({_n(engines // engine.gpus, 'engine')} of {engine.gpus})")
+
+    # The trainers: the preflight's own memory model, its batch at the run's longest sequence
+    batch = PromptSet("train", 1, T - min(data.max_new_tokens, T // 2), T, min(data.max_new_tokens, T), "plan")
+    shape = TargetShape.of_config(config, dtype_bytes=2, max_context=max_context)
+    memory = train_bytes(cfg, shape, d, batch, ALLOCATOR_SLACK["cuda"], torch.device("cuda"))
+    memory += size.weight_bytes if kind in ("online", "hybrid") else 0  # (the target computes states in each trainer)
+    fits = memory <= 0.95 * gpu.memory_gb * 1e9
     out.append(
         f"trainers: {_n(trainers, 'rank')}; the drafter ({_n(d.num_layers, d.layer + ' layer')}, "
-        f"TTT {train.ttt_steps}, "
-        f"{flops / 1e9:.1f} GFLOP a token) trains {train_rate / 1e3:,.1f}k tokens/s a GPU; "
+        f"TTT {train.ttt_steps}, {flops / 1e9:.1f} GFLOP a token) trains {rates.train / 1e3:,.1f}k tokens/s a GPU; "
         f"{size_text(memory)} a GPU at T = {T:,} ({'fits' if fits else 'does NOT fit'} in {gpu.memory_gb:.0f} GB"
         + ("" if fits else ": lower train.tokens_per_batch or data.max_length, or set train.activation_checkpointing")
         + ")"
     )
 
-    # Bytes
+    # Bytes: the cached states on disk, or a stream's token ids and the states in flight
     per_token = state_bytes(len(d.aux_layer_ids), d.target_hidden_size, train.distills or data.keep_final) + 4
-    if cfg.features.kind in STATES_ON_DISK:
+    if kind in STATES_ON_DISK:
         out.append(f"disk: {size_text(tokens * per_token)} of states ({per_token:,} bytes a token) in the cache")
     else:
+        window = cfg.features.stream.window_gb
         out.append(
             f"disk: token ids only ({size_text(tokens * 8)})"
-            + (
-                f"; the store: {cfg.features.stream.window_gb:g} GB of states in flight (features.stream.window_gb: "
-                f"{cfg.features.stream.window_gb * 1e9 / (mean * per_token):,.0f} samples of ~{mean:,} tokens)"
-                if cfg.features.kind == "stream"
-                else ""
-            )
-        )
+            + (f"; the store: {window:g} GB of states in flight (features.stream.window_gb: "
+               f"{window * 1e9 / (mean * per_token):,.0f} samples of ~{mean:,} tokens)" if kind == "stream" else "")
+        )  # fmt: skip
 
-    # Hours
-    regenerate = new_tokens / (decode_rate * max(engines // engine.gpus, 1)) if engines else float("nan")
-    trained = tokens * train.epochs / (train_rate * max(trainers, 1))
-    if cfg.features.kind == "stream":
-        feed = capture_rate * engines if engines else float("nan")
-        rate = min(feed, train_rate * trainers)  # the slower side sets the pace
-        streamed = tokens * train.epochs / rate  # every epoch is streamed again
+    # Hours: the data stage, then training; a stream's epochs at the pace of the slower side
+    regenerate = new_tokens / (rates.decode * (engines // engine.gpus)) if engines else math.nan
+    if kind == "stream":
+        feed = rates.capture * engines if engines else math.nan
+        streamed = tokens * train.epochs / min(feed, rates.train * trainers)  # (every epoch streamed again)
         total = regenerate + streamed
         out.append(
             f"time at {U:.0%} of peak: regenerate {hours(regenerate)}, then {_n(train.epochs, 'epoch')} streamed "
             f"{hours(streamed)} (engines feed {feed / 1e3:,.1f}k tokens/s, trainers take "
-            f"{train_rate * trainers / 1e3:,.1f}k): {hours(total)}, "
-            f"{(total * (engines + trainers)) / 3600:,.0f} GPU-hours"
+            f"{rates.train * trainers / 1e3:,.1f}k): {hours(total)}, {total * (engines + trainers) / 3600:,.0f} "
+            "GPU-hours"
         )
     else:
-        capture = tokens / (capture_rate * engines) if engines else float("nan")
-        data_s = regenerate + (capture if cfg.features.kind in STATES_ON_DISK else 0.0)
-        total = data_s + trained
+        capture = tokens / (rates.capture * engines) if engines and kind in STATES_ON_DISK else 0.0
+        trained = tokens * train.epochs / (rates.train * trainers)
+        total = regenerate + capture + trained
         out.append(
             f"time at {U:.0%} of peak: regenerate {hours(regenerate)}"
-            + (f", capture {hours(capture)}" if cfg.features.kind in STATES_ON_DISK else "")
+            + (f", capture {hours(capture)}" if kind in STATES_ON_DISK else "")
             + f", train {_n(train.epochs, 'epoch')} {hours(trained)}: {hours(total)} on {G} GPUs, "
             f"{total * G / 3600:,.0f} GPU-hours"
         )
-    for ref in cfg.recipe.published:
-        out.append(
-            f"published: τ {ref.acceptance_length:.2f} at k = {ref.k} on {ref.benchmark} ({ref.source}): what this "
-            "recipe's drafter should reach"
-        )
+    out += [
+        f"published: τ {r.acceptance_length:.2f} at k = {r.k} on {r.benchmark} ({r.source}): what this recipe's "
+        "drafter should reach"
+        for r in cfg.recipe.published
+    ]
     out.append(
         f"assumed: {U:.0%} of the dense bf16 peak (plan.utilization), engines' weights ≤ {ENGINE_WEIGHT_SHARE:.0%} of "
         f"a GPU, {DECODE_BATCH} sequences a decoding engine, a pipelined engine's stages all busy, drafter "
         "attention FLOPs left out (they grow with T)"
     )
     return Plan(out, time.perf_counter() - t0)
+
+
+def _engine_line(config, size: TargetSize, engine: EngineShape, gpu: Gpu, rates: Rates) -> str:
+    weights = size.weight_bytes / engine.gpus
+    kv_room = max(0.9 * gpu.memory_gb * 1e9 - weights, 0.0)  # (vLLM's default share of the GPU, less the weights)
+    # A token's KV is split over the pipeline's stages (their layers) and, but for MLA's latent, which every
+    # tensor-parallel rank keeps whole, over the TP ranks (their heads)
+    kv_split = engine.pipeline_parallel * (1 if getattr(config, "kv_lora_rank", None) else engine.tensor_parallel)
+    return (
+        f"engine: TP {engine.tensor_parallel}"
+        + (f" × PP {engine.pipeline_parallel}" if engine.pipeline_parallel > 1 else "")
+        + f" = {_n(engine.gpus, 'GPU')} on {_n(math.ceil(engine.gpus / gpu.per_node), 'node')}; "
+        f"{size_text(weights)} of weights a GPU, {size_text(kv_room)} left for KV "
+        f"(~{kv_room * kv_split / size.kv_bytes_per_token / 1e3:,.0f}k tokens an engine); "
+        f"captures {rates.capture * engine.gpus / 1e3:,.1f}k tokens/s, regenerates {rates.decode / 1e3:,.1f}k "
+        f"tokens/s at {DECODE_BATCH} sequences"
+    )
