@@ -21,8 +21,8 @@ float32, gradients cast back to the logits' dtype before their matmuls, as autog
 compares both, forward and backward).
 
 The other objectives of the field (`train.loss`: reverse KL, Jensen-Shannon, total variation, negative
-log-acceptance, speculators' KL/TV blend) read the same teacher y and have no such short form, but each is a sum over rows of a function f of
-the row's distribution q, so its gradient through the softmax is still closed:
+log-acceptance, speculators' KL/TV blend) read the same teacher y and have no such short form, but each is a sum over
+rows of a function f of the row's distribution q, so its gradient through the softmax is still closed:
 
     ∂f/∂z_v = q_v · ( ∂f/∂q_v - Σ_u q_u ∂f/∂q_u )
 
