@@ -128,7 +128,7 @@ CLI_CASES = [
 @pytest.mark.parametrize(
     "override,choices",
     [
-        ("train.loss=mse", "['ce', 'kl']"),
+        ("train.loss=mse", "['ce', 'kl', 'rkl', 'jsd', 'tv', 'nla', 'lk_hybrid']"),
         ("train.precision=fp8", "'bf16-mixed'"),
     ],
 )
