@@ -161,18 +161,21 @@ def load(roots: list[Path], warn=lambda msg: print(msg, file=sys.stderr), duplic
             len({repr(r.config.get(k)) for r in runs if r.variant == v}) == 1 for v in {r.variant for r in runs}
         )
 
+    # A setting a run's config.yaml predates reads as the schema's default (runs of a store span schema changes)
+    defaults = schema_defaults()
+    value = lambda r, k: r.config[k] if k in r.config else defaults.get(k)  # noqa: E731
     differing = sorted(
         k
         for k in set().union(*(r.config for r in runs))
         if not k.startswith(NOT_SETUP)
         and k != "variant"
-        and len({repr(r.config.get(k)) for r in runs}) > 1
+        and len({repr(value(r, k)) for r in runs}) > 1
         and not by_variant(k)
     )
     last = [k.split(".")[-1] for k in differing]
     names = {k: (k.split(".")[-1] if last.count(k.split(".")[-1]) == 1 else k) for k in differing}
     for r in runs:
-        extras = {k: f"{names[k]}={_short(r.config.get(k))}" for k in differing}
+        extras = {k: f"{names[k]}={_short(value(r, k))}" for k in differing}
         r.setup = " ".join([r.variant, *extras.values()])
         r.line = " ".join([r.variant, *(token for k, token in extras.items() if k != DATA_SIZE)])
     # One run per setup and seed: a re-evaluation (checkpoint=RUN) or a repeated launch is not another seed.
@@ -184,6 +187,15 @@ def load(roots: list[Path], warn=lambda msg: print(msg, file=sys.stderr), duplic
             )
         kept[(r.setup, r.seed)] = r
     return sorted(kept.values(), key=lambda r: (r.setup, r.seed))
+
+
+def schema_defaults() -> dict:
+    """eaglelab's run configuration at its defaults, flattened as a run's config.yaml is."""
+    from dataclasses import asdict
+
+    from eaglelab.core.config import RunConfig
+
+    return flatten(asdict(RunConfig()))
 
 
 def _short(value) -> str:
