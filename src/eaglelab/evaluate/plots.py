@@ -364,9 +364,11 @@ def plot_benchmarks(suite_dir: Path, title: str, published: list | None = None) 
             ax.plot(*zip(*mine), "*", ms=10, color=color, label=f"published: {source}"[:60])
         prompts = next(r["prompts"] for r in rows if r["condition"] == name)
         ax.set(xlabel="draft tokens per round k", ylabel="acceptance length τ", title=f"{name} ({prompts} requests)")
-        ax.set_ylim(bottom=1.0)
         ax.grid(alpha=0.3)
         ax.legend(frameon=False, fontsize=7)
+    # (one scale for every panel: set once the panels are drawn, so that none cuts another's points off)
+    tops = [float(r["acceptance_length"]) for r in rows] + [r.acceptance_length for r in published or []]
+    axes[0][0].set_ylim(1.0, max(tops) * 1.05)
     fig.suptitle(f"{title} — τ per benchmark", fontsize=10)
     return save_figure(fig, suite_dir / "benchmarks.png")
 
